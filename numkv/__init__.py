@@ -1,0 +1,13 @@
+"""numkv: Numba-compiled CPU kernels for transformer KV caches.
+
+``tensor_scatter`` (ONNX TensorScatter) writes into a fixed-size cache;
+``attention`` (ONNX Attention) reads it with a blocked online-softmax kernel.
+Importing numkv compiles nothing and does not import numba or onnx: kernels
+compile on their first call.
+"""
+
+__version__ = "0.1.0"
+
+from ._scatter import tensor_scatter
+
+__all__ = ["tensor_scatter", "__version__"]

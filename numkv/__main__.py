@@ -1,0 +1,60 @@
+"""``python -m numkv [info|demo|bench]``: what numkv runs on, and what it does.
+
+Uses the public API only.
+"""
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import numkv
+
+
+def info(args=None):
+    """Version, numba threading, and one small scatter (compiles on first use)."""
+    import numba
+
+    cache = np.zeros((4, 8, 256, 128), np.float32)
+    update = np.ones((4, 8, 16, 128), np.float32)
+    start = time.perf_counter()
+    present = numkv.tensor_scatter(cache, update, np.array([0, 16, 32, 240]), mode="circular")
+    elapsed = time.perf_counter() - start
+    print(f"numkv {numkv.__version__}  (numba {numba.__version__}, numpy {np.__version__})")
+    print(f"threads: {numba.get_num_threads()}  threading layer: {numba.threading_layer()}")
+    print(
+        f"tensor_scatter: wrote {update.shape} into {cache.shape} in {elapsed * 1e3:.1f} ms "
+        f"(first call, includes compilation); rows written: {int(present[:, 0, :, 0].sum())}"
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m numkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("info", help="version, threading layer, a tiny scatter (the default)")
+    _add_optional_commands(sub)
+    args = parser.parse_args(argv)
+    command = getattr(args, "run", info)
+    command(args)
+    return 0
+
+
+def _add_optional_commands(sub):
+    """``demo`` and ``bench`` live in their own modules (imported on use)."""
+    try:
+        from numkv import _cli_demo
+    except ImportError:
+        _cli_demo = None
+    if _cli_demo is not None:
+        _cli_demo.add_parser(sub)
+    try:
+        from numkv import _cli_bench
+    except ImportError:
+        _cli_bench = None
+    if _cli_bench is not None:
+        _cli_bench.add_parser(sub)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Environment switches (read once) and the numba decorator factories.
+
+Nothing here imports numba at module import time: ``import numkv`` must stay
+cheap, so the kernels (and numba with them) are imported on the first call.
+
+Switches
+--------
+NUMKV_CACHE
+    ``1`` (default) keeps compiled kernels in numba's on-disk cache, ``0`` turns
+    the disk cache off.  Where the package directory is read-only numba falls
+    back to its per-user cache directory (``NUMBA_CACHE_DIR`` overrides it);
+    where no location is writable the kernels are compiled in memory only.
+"""
+
+import os
+
+CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
+
+# Vectorised reductions need reassociation; never "nnan"/"ninf": the online
+# softmax relies on -inf (see STYLE.md, "fastmath").
+FASTMATH = frozenset({"reassoc", "contract"})
+
+
+def jit(parallel=False, fastmath=False):
+    """A lazy ``numba.njit`` (no signatures: nothing compiles at import)."""
+    import numba
+
+    options = dict(nogil=True, parallel=parallel, error_model="numpy")
+    if fastmath:
+        options["fastmath"] = set(FASTMATH)
+
+    def decorate(func):
+        if CACHE:
+            try:
+                return numba.njit(cache=True, **options)(func)
+            except RuntimeError:  # no writable cache locator (read-only install)
+                pass
+        return numba.njit(**options)(func)
+
+    return decorate
+
+# Tests set this to route every op through its plain NumPy reference path.
+REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"

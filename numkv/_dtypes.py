@@ -1,0 +1,112 @@
+"""The dtype table and the boundary between NumPy dtypes and what numba can type.
+
+numba (0.68) types neither float16 nor any ``ml_dtypes`` type, so data crosses
+the boundary as raw bits:
+
+* scatter moves every fixed-width element as ``k`` units of an unsigned integer
+  (``flat_units``), so bits are copied exactly (NaN payloads, -0.0);
+* attention reads float16 / bfloat16 / float8 as ``uint16`` / ``uint8`` bits and
+  widens them through a decode table built from ``ml_dtypes`` itself, so the
+  decoding is exact by construction (``decode_table``).
+
+Types are classified by identity against explicit tables, never by
+``dtype.kind``: ``ml_dtypes`` types are kind ``'V'`` (except float8_e5m2, kind
+``'f'``) and are not ``np.floating``.
+"""
+
+import functools
+
+import ml_dtypes
+import numpy as np
+
+_ML_FLOAT8 = (
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
+FLOAT8_TYPES = tuple(np.dtype(getattr(ml_dtypes, n)) for n in _ML_FLOAT8)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+# Every fixed-width dtype tensor_scatter accepts (ONNX TensorScatter's T).
+SCATTER_DTYPES = frozenset(
+    [np.dtype(t) for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64,
+        np.uint8, np.uint16, np.uint32, np.uint64,
+        np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    )]
+    + [BFLOAT16, *FLOAT8_TYPES]
+    + [np.dtype(ml_dtypes.float4_e2m1fn), np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)]
+)
+# Variable-width string kinds: str ('U'), bytes ('S') and Python objects ('O').
+STRING_KINDS = frozenset("USO")
+
+# dtype objects, not type objects: ``view(np.dtype)`` skips a lookup (0.7 -> 0.35 us).
+_UNSIGNED = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
+
+
+def is_scatter_dtype(dtype):
+    return dtype in SCATTER_DTYPES or dtype.kind in STRING_KINDS
+
+
+def unit_size(arrays):
+    """The widest unsigned unit (8, 4, 2 or 1 bytes) that tiles every element,
+    stride and start address of ``arrays`` exactly."""
+    itemsize = arrays[0].itemsize
+    if itemsize in _UNSIGNED:
+        for a in arrays:
+            if not a.flags.aligned:  # numpy's flag covers the address and strides
+                break
+        else:
+            return itemsize
+    for unit in (8, 4, 2):
+        if itemsize % unit == 0 and all(
+            a.ctypes.data % unit == 0 and all(s % unit == 0 for s in a.strides)
+            for a in arrays
+        ):
+            return unit
+    return 1
+
+
+class _Buffer:
+    """Exposes raw memory through ``__array_interface__``; keeps ``owner`` alive."""
+
+    def __init__(self, owner, interface):
+        self.base = owner
+        self.__array_interface__ = interface
+
+
+def flat_units(arr, unit):
+    """A 1-D unsigned view over every byte ``arr`` spans, starting at its
+    lowest address (where ``arr[0, ..., 0]`` is, unless a stride is negative).
+
+    Works for any strides (negative, zero, transposed) without copying.  The
+    view is always typed writeable, so that numba compiles one variant whether
+    an input is read-only or not: only kernel *outputs* are ever written
+    through it, and the wrappers check those are writeable.
+    """
+    utype = _UNSIGNED[unit]
+    flags = arr.flags
+    if flags.c_contiguous and flags.writeable:
+        return arr.ravel().view(utype)
+    strides = [s // unit for s in arr.strides]
+    lo = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s > 0)
+    interface = {
+        "shape": (hi - lo + arr.itemsize // unit,),
+        "typestr": utype.str,
+        "data": (arr.ctypes.data + lo * unit, False),
+        "strides": None,
+        "version": 3,
+    }
+    return np.asarray(_Buffer(arr, interface))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_table(dtype):
+    """float32 value of every bit pattern of a 16- or 8-bit float type."""
+    bits = np.arange(1 << (8 * dtype.itemsize), dtype=_UNSIGNED[dtype.itemsize])
+    table = bits.view(dtype).astype(np.float32)
+    table.flags.writeable = False
+    return table

@@ -1,0 +1,1 @@
+"""numba kernels. Only this package (and ``_config``) imports numba."""

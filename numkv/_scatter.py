@@ -1,0 +1,204 @@
+"""``numkv.tensor_scatter``: the ONNX TensorScatter op (opset 24).
+
+coerce -> validate everything -> canonical (P, Smax, R) layouts -> unsigned bit
+views -> serial or parallel kernel.  Object arrays (Python strings) take the
+plain NumPy reference path, which tests can force with ``_config.REFERENCE``.
+"""
+
+import functools
+import numpy as np
+
+from . import _config
+from ._dtypes import flat_units, is_scatter_dtype, unit_size
+from ._validate import as_array, index_vector, normalize_axis, output_array
+
+MODES = ("linear", "circular")
+
+# Below this many bytes moved the serial kernel wins: the parallel launch
+# costs more than the copy itself (see README, "Benchmarks").
+PARALLEL_MIN_BYTES = 1 << 18
+
+_kernels = None
+
+
+def _scatter_kernels():
+    global _kernels
+    if _kernels is None:
+        from ._kernels import scatter
+
+        _kernels = scatter
+    return _kernels
+
+
+def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="linear", out=None):
+    """Write ``update`` into ``past_cache`` along ``axis`` at per-batch-row
+    ``write_indices`` (ONNX TensorScatter, opset 24).
+
+    Parameters
+    ----------
+    past_cache : ndarray, shape ``(batch, D1, ..., max_sequence_length, ..., Dn)``
+    update : ndarray, ``past_cache``'s shape and dtype except ``sequence_length <=
+        max_sequence_length`` along ``axis``
+    write_indices : int array of shape ``(batch,)``, optional
+        Where each batch row's update starts; zeros when omitted.  In
+        ``"circular"`` mode taken modulo ``max_sequence_length`` (negative too).
+    axis : int, default -2
+        The sequence axis; may be negative, must not be the batch axis 0.
+    mode : ``"linear"`` or ``"circular"``
+    out : ndarray, optional
+        ``None``: a new array (``past_cache`` is not modified).  ``past_cache``
+        itself: updated in place in O(update) time.  Any other array of the same
+        shape and dtype receives ``past_cache`` with the update applied.
+
+    Returns
+    -------
+    ndarray
+        ``present_cache`` (``out`` when given).
+
+    Raises
+    ------
+    TypeError, ValueError
+        On bad input, before anything is written.
+    """
+    past_cache = as_array(past_cache, "past_cache")
+    update = as_array(update, "update")
+    max_seq, seq_len, ax = _check_shapes(past_cache, update, axis)
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
+    write_at = _write_positions(write_indices, past_cache.shape[0], seq_len, max_seq, mode)
+
+    in_place = out is past_cache
+    if out is None:
+        out = np.empty(past_cache.shape, past_cache.dtype)
+    elif not in_place:
+        output_array(out, past_cache.shape, past_cache.dtype)
+        if np.may_share_memory(out, past_cache):
+            past_cache = past_cache.copy()
+    elif not out.flags.writeable:
+        raise ValueError("out (= past_cache) is read-only")
+    if np.may_share_memory(out, update):
+        update = update.copy()
+
+    if past_cache.size == 0 or (in_place and seq_len == 0):
+        if not in_place:
+            np.copyto(out, past_cache)
+        return out
+    if _config.REFERENCE or past_cache.dtype.kind == "O":
+        return scatter_reference(past_cache, update, write_at, ax, out, in_place)
+    _scatter_bits(past_cache, update, write_at, ax, out, in_place)
+    return out
+
+
+def _check_shapes(past_cache, update, axis):
+    ndim = past_cache.ndim
+    if ndim < 2:
+        raise ValueError(f"past_cache must have rank >= 2 (batch, ..., sequence, ...), got rank {ndim}")
+    if update.ndim != ndim:
+        raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
+    if update.dtype != past_cache.dtype:
+        raise TypeError(
+            f"update has dtype {update.dtype}, past_cache has dtype {past_cache.dtype} (no implicit casting)"
+        )
+    if not is_scatter_dtype(past_cache.dtype):
+        raise TypeError(f"past_cache dtype {past_cache.dtype} is not supported by TensorScatter")
+    ax = normalize_axis(axis, ndim)
+    if ax == 0:
+        raise ValueError(f"axis {axis} is the batch axis; the sequence axis must be 1..{ndim - 1} (or negative)")
+    shape, update_shape = past_cache.shape, update.shape
+    if shape[:ax] != update_shape[:ax] or shape[ax + 1:] != update_shape[ax + 1:]:
+        d = next(d for d in range(ndim) if d != ax and shape[d] != update_shape[d])
+        raise ValueError(
+            f"update.shape[{d}] = {update_shape[d]} does not match past_cache.shape[{d}] = {shape[d]}"
+        )
+    max_seq, seq_len = shape[ax], update_shape[ax]
+    if seq_len > max_seq:
+        raise ValueError(
+            f"update sequence_length {seq_len} (axis {ax}) > max_sequence_length {max_seq}"
+        )
+    return max_seq, seq_len, ax
+
+
+def _write_positions(write_indices, batch, seq_len, max_seq, mode):
+    """Per-batch-row start positions in ``[0, max_seq)`` as a fresh int64
+    array (a copy: the kernel trusts these bounds, so nobody else holds it)."""
+    if write_indices is None:
+        return np.zeros(batch, np.int64)
+    starts = index_vector(write_indices, "write_indices", batch)
+    if mode == "circular":
+        return starts % max_seq if max_seq else starts
+    # Small batches: Python's min/max over a list beat two numpy reductions.
+    values = starts.tolist() if batch <= 64 else starts
+    if batch and (min(values) < 0 or max(values) > max_seq - seq_len):
+        for b, w in enumerate(starts.tolist()):
+            if w < 0:
+                raise ValueError(f"write_indices[{b}] = {w} is negative (linear mode)")
+            if w + seq_len > max_seq:
+                raise ValueError(
+                    f"write_indices[{b}] = {w}: {w} + sequence_length {seq_len} "
+                    f"> max_sequence_length {max_seq}"
+                )
+    return starts
+
+
+def _scatter_bits(past_cache, update, write_at, axis, out, in_place):
+    """Run the kernel over unsigned bit views of the three arrays."""
+    arrays = (out, update) if in_place else (out, update, past_cache)
+    unit = unit_size(arrays)
+    src = out if in_place else past_cache  # in place the kernel never reads src
+    key = (axis, unit, out.itemsize, in_place, out.shape, update.shape,
+           out.strides, update.strides, src.strides)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _make_plan(*key)
+    dst = flat_units(out, unit)
+    k = _scatter_kernels()
+    kernel = k.scatter_parallel if plan[1] >= PARALLEL_MIN_BYTES else k.scatter_serial
+    kernel(dst, flat_units(update, unit), dst if in_place else flat_units(src, unit), plan[0], write_at)
+
+
+_plans = {}  # layout key -> (plan, bytes written); a few entries per cache in use
+
+
+def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, *strides):
+    """The kernel's int64 plan (see ``_kernels/scatter.py``) for these layouts,
+    and the number of bytes the call will write."""
+    if len(_plans) > 1024:
+        _plans.clear()
+    shapes = (shape, update_shape, shape)
+    rows, cols, seq = [], [], []
+    for shp, st in zip(shapes, strides):
+        st = [s // unit for s in st]
+        lo = sum((n - 1) * s for n, s in zip(shp, st) if s < 0)
+        rows.append(_offsets(shp[:axis], st[:axis]) - lo)
+        cols.append(_offsets(shp[axis + 1:] + (itemsize // unit,), st[axis + 1:] + [1]))
+        seq.append(st[axis])
+    n_rows, n_cols = rows[0].size, cols[0].size
+    seq_len, max_seq = update_shape[axis], shape[axis]
+    contiguous = all(np.array_equal(c, np.arange(n_cols)) for c in cols)
+    header = [n_rows, n_cols, seq_len, max_seq, n_rows // shape[0],
+              int(not in_place), int(contiguous), *seq]
+    plan = np.concatenate([np.array(header, np.int64), *rows, *cols])
+    plan.flags.writeable = False
+    n_pos = seq_len if in_place else max_seq
+    return plan, n_rows * n_pos * n_cols * unit
+
+
+def _offsets(shape, strides):
+    """Flat C-order offsets of every index of ``shape`` under ``strides``."""
+    off = np.zeros(1, np.int64)
+    for n, s in zip(shape, strides):
+        off = (off[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
+    return off
+
+
+def scatter_reference(past_cache, update, write_at, axis, out, in_place):
+    """The plain NumPy path: any dtype (object arrays too); also the oracle
+    the kernel is checked against when ``_config.REFERENCE`` is set."""
+    if not in_place:
+        np.copyto(out, past_cache)
+    max_seq, seq_len = out.shape[axis], update.shape[axis]
+    steps = np.arange(seq_len)
+    for b, start in enumerate(write_at.tolist()):
+        positions = (start + steps) % max_seq
+        np.moveaxis(out[b], axis - 1, 0)[positions] = np.moveaxis(update[b], axis - 1, 0)
+    return out
