@@ -8,6 +8,7 @@ compile on their first call.
 
 __version__ = "0.1.0"
 
+from ._attention import attention
 from ._scatter import tensor_scatter
 
-__all__ = ["tensor_scatter", "__version__"]
+__all__ = ["attention", "tensor_scatter", "__version__"]

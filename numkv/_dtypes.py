@@ -78,29 +78,39 @@ class _Buffer:
 
 
 def flat_units(arr, unit):
-    """A 1-D unsigned view over every byte ``arr`` spans, starting at its
-    lowest address (where ``arr[0, ..., 0]`` is, unless a stride is negative).
-
-    Works for any strides (negative, zero, transposed) without copying.  The
-    view is always typed writeable, so that numba compiles one variant whether
-    an input is read-only or not: only kernel *outputs* are ever written
-    through it, and the wrappers check those are writeable.
-    """
+    """``flat_view(arr, <unsigned of unit bytes>)``'s buffer; C-contiguous
+    arrays take a cheaper path (a 1-token append is pure call overhead)."""
     utype = _UNSIGNED[unit]
     flags = arr.flags
     if flags.c_contiguous and flags.writeable:
         return arr.ravel().view(utype)
-    strides = [s // unit for s in arr.strides]
+    return flat_view(arr, utype)[0]
+
+
+def flat_view(arr, dtype):
+    """A 1-D ``dtype`` view over every byte ``arr`` spans, from its lowest
+    address; returns ``(flat, base, strides)`` where ``arr[idx]`` is
+    ``flat[base + sum(idx * strides)]`` (strides in items of ``dtype``).
+
+    Works for any strides (negative, zero, transposed) without copying; the
+    caller guarantees ``dtype.itemsize`` divides the address and the strides.
+    The view is always typed writeable, so that numba compiles one variant
+    whether an input is read-only or not: only kernel *outputs* are ever
+    written through it, and the wrappers check those are writeable.
+    """
+    strides = [s // dtype.itemsize for s in arr.strides]
+    if arr.size == 0:  # nothing is read; keep the type numba sees
+        return np.zeros(1, dtype), 0, strides
     lo = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s > 0)
     interface = {
-        "shape": (hi - lo + arr.itemsize // unit,),
-        "typestr": utype.str,
-        "data": (arr.ctypes.data + lo * unit, False),
+        "shape": (hi - lo + arr.itemsize // dtype.itemsize,),
+        "typestr": dtype.str,
+        "data": (arr.ctypes.data + lo * dtype.itemsize, False),
         "strides": None,
         "version": 3,
     }
-    return np.asarray(_Buffer(arr, interface))
+    return np.asarray(_Buffer(arr, interface)), -lo, strides
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,3 +120,24 @@ def decode_table(dtype):
     table = bits.view(dtype).astype(np.float32)
     table.flags.writeable = False
     return table
+
+
+# Attention's Q/K/V dtypes: float16/bfloat16/float32/float64 (ONNX T1/T2) and,
+# beyond the spec, float8 (a quantised KV cache, widened tile by tile).
+ATTENTION_DTYPES = frozenset(
+    [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16, *FLOAT8_TYPES]
+)
+_NO_TABLE = np.zeros(1, np.float32)
+
+
+def kernel_operand(arr):
+    """``(flat, base, strides, table)`` for the attention kernel: float32 and
+    float64 as themselves, narrower floats as raw bits plus their decode table."""
+    if arr.dtype in (np.float32, np.float64):
+        view_dtype, table = arr.dtype, _NO_TABLE
+    else:
+        view_dtype, table = _UNSIGNED[arr.itemsize], decode_table(arr.dtype)
+    if not arr.flags.aligned:
+        arr = np.ascontiguousarray(arr)
+    flat, base, strides = flat_view(arr, view_dtype)
+    return flat, base, strides, table

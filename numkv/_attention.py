@@ -1,0 +1,343 @@
+"""``numkv.attention``: the ONNX Attention op (opsets 23, 24, 25), Y only.
+
+coerce -> validate everything -> 4-D ``(b, h, s, d)`` views (3-D inputs are
+reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
+/ valid lengths folded into per-batch integers -> bit views + decode tables ->
+one kernel -> cast Y once.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _config
+from ._dtypes import ATTENTION_DTYPES, FLOAT8_TYPES, kernel_operand
+from ._validate import as_array, as_float, as_int
+
+SOFTMAX_PRECISIONS = {1: np.float32, 10: np.float16, 11: np.float64, 16: None}  # 16: bfloat16
+
+# Tile defaults (queries per tile, keys per tile).  Splitting the key range of
+# few-query work (decode) into chunks keeps every core busy; the chunk length
+# depends on the shapes only (STYLE: results independent of the thread count).
+BLOCK_Q = 16
+BLOCK_K = 64
+TARGET_ITEMS = 64
+MIN_CHUNK = 512
+
+_kernel = None
+
+
+def _attention_kernel():
+    global _kernel
+    if _kernel is None:
+        from ._kernels.attention import attention_kernel
+
+        _kernel = attention_kernel
+    return _kernel
+
+
+def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None,
+              nonpad_kv_seqlen=None, *, scale=None, is_causal=False,
+              q_num_heads=None, kv_num_heads=None, softcap=0.0,
+              softmax_precision=None, left_window_size=-1, right_window_size=-1):
+    """Scaled dot-product attention as the ONNX ``Attention`` op; returns ``Y``.
+
+    Q, K, V are ``(batch, heads, seq, head_size)`` or 3-D ``(batch, seq,
+    heads * head_size)`` with ``q_num_heads`` / ``kv_num_heads``.  MHA, GQA and
+    MQA; ``attn_mask`` bool (True attends) or additive float, broadcasting to
+    ``(batch, q_heads, q_seq, total_seq)`` (a shorter last dim is padded with
+    -inf / False); ``is_causal`` is bottom-right, offset by ``past_key``'s
+    length or by ``nonpad_kv_seqlen[b] - q_seq`` (an external cache);
+    ``left_window_size`` / ``right_window_size`` bound the keys around each
+    query's absolute position.  Softcap comes before the mask.  A query that
+    attends no key gets a zero row.
+
+    Never materialises the score matrix: a blocked kernel with an online
+    softmax, float32 accumulation (float64 for float64 inputs or
+    ``softmax_precision=11``).  Y has Q's dtype (float32 for float8 Q).
+    ``softmax_precision`` asks for at least that precision in the softmax;
+    float16 and bfloat16 requests are met by the float32 accumulation.
+    """
+    call = prepare(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
+                   scale=scale, is_causal=is_causal, q_num_heads=q_num_heads,
+                   kv_num_heads=kv_num_heads, softcap=softcap,
+                   softmax_precision=softmax_precision,
+                   left_window_size=left_window_size, right_window_size=right_window_size)
+    if _config.REFERENCE:
+        from ._reference import attention_reference
+
+        return call.finish(attention_reference(call)[0])
+    return run(call)
+
+
+@dataclass
+class AttentionCall:
+    """A validated Attention call in the kernel's terms (all 4-D views)."""
+
+    q: np.ndarray          # (B, Hq, Sq, D)
+    k: np.ndarray          # (B, Hkv, Skv, D)   new keys
+    v: np.ndarray          # (B, Hkv, Skv, Dv)
+    past_k: np.ndarray     # (B, Hkv, P, D)     P may be 0
+    past_v: np.ndarray     # (B, Hkv, P, Dv)
+    mask: np.ndarray       # additive, acc dtype, broadcast view (B, Hq, Sq, L) or None
+    offset: np.ndarray     # (B,) int64: causal / window offset per batch row
+    valid: np.ndarray      # (B,) int64: keys j < valid[b] may be attended
+    scale: float
+    softcap: float
+    is_causal: bool
+    left: int
+    right: int
+    acc_dtype: np.dtype
+    out_dtype: np.dtype
+    three_d: bool
+
+    @property
+    def total(self):
+        return self.past_k.shape[2] + self.k.shape[2]
+
+    def new_output(self):
+        """Y in the accumulation dtype, and its 4-D ``(b, h, s, d)`` view."""
+        b, hq, sq, _ = self.q.shape
+        dv = self.v.shape[3]
+        if self.three_d:
+            y = np.empty((b, sq, hq * dv), self.acc_dtype)
+            return y, y.reshape(b, sq, hq, dv).transpose(0, 2, 1, 3)
+        y = np.empty((b, hq, sq, dv), self.acc_dtype)
+        return y, y
+
+    def finish(self, y):
+        """Cast Y to the output dtype once, at the end."""
+        return y if y.dtype == self.out_dtype else y.astype(self.out_dtype)
+
+
+def run(call, block_q=None, block_k=None, kv_chunk=None):
+    """Run the kernel on a prepared call; tile sizes are overridable for tests."""
+    y, y4 = call.new_output()
+    if y.size == 0:
+        return call.finish(y)
+    b, hq, sq, d = call.q.shape
+    hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
+    block_q = min(block_q or BLOCK_Q, sq)
+    block_k = block_k or BLOCK_K
+    n_qt = -(-sq // block_q)
+    if kv_chunk is None:
+        kv_chunk = _kv_chunk(b * hkv * n_qt, total, block_k)
+    kv_chunk = max(1, min(kv_chunk, max(total, 1)))
+    n_ch = max(1, -(-total // kv_chunk))
+
+    operands = {}
+    for name in ("q", "past_k", "k", "past_v", "v"):
+        operands[name] = kernel_operand(getattr(call, name))
+    if call.mask is not None:
+        m_flat, m_base, m_strides, _ = kernel_operand(call.mask)
+    else:
+        m_flat, m_base, m_strides = np.zeros(1, call.acc_dtype), 0, [0, 0, 0, 0]
+    y_flat, y_base, y_strides, _ = kernel_operand(y4)
+
+    ints = np.array([
+        b, hq, hkv, sq, total, call.past_k.shape[2], d, dv,
+        int(call.is_causal), call.left, call.right, int(call.mask is not None),
+        block_q, block_k, kv_chunk, n_qt, n_ch,
+        operands["q"][1], operands["past_k"][1], operands["k"][1],
+        operands["past_v"][1], operands["v"][1], m_base, y_base,
+    ], np.int64)
+    strides = np.array(
+        [*operands["q"][2], *operands["past_k"][2], *operands["k"][2],
+         *operands["past_v"][2], *operands["v"][2], *m_strides, *y_strides], np.int64)
+    floats = np.array([call.scale, call.softcap], np.float64)
+    _attention_kernel()(
+        operands["q"][0], operands["q"][3],
+        operands["past_k"][0], operands["k"][0], operands["k"][3],
+        operands["past_v"][0], operands["v"][0], operands["v"][3],
+        m_flat, y_flat, ints, strides, floats, call.offset, call.valid,
+    )
+    return call.finish(y)
+
+
+def _kv_chunk(n_items, total, block_k):
+    """Key-range chunk length: split only when there are few work items."""
+    if n_items >= TARGET_ITEMS or total <= MIN_CHUNK:
+        return max(total, 1)
+    splits = -(-TARGET_ITEMS // n_items)
+    chunk = max(MIN_CHUNK, -(-total // splits))
+    return -(-chunk // block_k) * block_k
+
+
+# --------------------------------------------------------------------------
+# validation and normalisation
+
+
+def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
+            *, scale=None, is_causal=False, q_num_heads=None, kv_num_heads=None,
+            softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1):
+    """Check every argument and express the call as an ``AttentionCall``."""
+    Q, K, V = (_float_input(x, name) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
+    if not Q.ndim == K.ndim == V.ndim or Q.ndim not in (3, 4):
+        raise ValueError(
+            f"Q, K and V must all be 3-D or all 4-D, got ranks {Q.ndim}, {K.ndim}, {V.ndim}")
+    three_d = Q.ndim == 3
+    q, k, v = _heads_views(Q, K, V, q_num_heads, kv_num_heads)
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: Q {b}, K {k.shape[0]}, V {v.shape[0]}")
+    if v.shape[1] != hkv:
+        raise ValueError(f"K has {hkv} heads but V has {v.shape[1]}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"q_num_heads {hq} must be a multiple of kv_num_heads {hkv} (MHA, GQA or MQA)")
+    if k.shape[3] != d:
+        raise ValueError(f"K head size {k.shape[3]} differs from Q head size {d}")
+    if v.shape[2] != skv:
+        raise ValueError(f"K has kv_sequence_length {skv} but V has {v.shape[2]}")
+    dv = v.shape[3]
+
+    past_k, past_v = _past(past_key, past_value, K.dtype, V.dtype, (b, hkv, d, dv))
+    past_len = past_k.shape[2]
+    total = past_len + skv
+
+    is_causal = _flag(is_causal, "is_causal")
+    left = _window(left_window_size, "left_window_size")
+    right = _window(right_window_size, "right_window_size")
+    softcap = as_float(softcap, "softcap")
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
+    if softmax_precision is not None:
+        softmax_precision = as_int(softmax_precision, "softmax_precision")
+        if softmax_precision not in SOFTMAX_PRECISIONS:
+            raise ValueError(
+                f"softmax_precision must be one of 1 (FLOAT), 10 (FLOAT16), 11 (DOUBLE), "
+                f"16 (BFLOAT16), got {softmax_precision}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    else:
+        scale = as_float(scale, "scale")
+
+    if nonpad_kv_seqlen is not None:
+        if past_key is not None:
+            raise ValueError("nonpad_kv_seqlen cannot be combined with past_key/past_value")
+        nonpad = as_array(nonpad_kv_seqlen, "nonpad_kv_seqlen")
+        if nonpad.dtype.kind not in "iu":
+            raise TypeError(f"nonpad_kv_seqlen must be an integer array, got dtype {nonpad.dtype}")
+        if nonpad.shape != (b,):
+            raise ValueError(f"nonpad_kv_seqlen must have shape (batch_size,) = ({b},), got {nonpad.shape}")
+        nonpad = np.array(nonpad, dtype=np.int64)
+        bad = np.flatnonzero((nonpad < 0) | (nonpad > skv))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"nonpad_kv_seqlen[{i}] = {int(nonpad[i])} is outside [0, kv_sequence_length {skv}]")
+        offset, valid = nonpad - sq, nonpad.copy()
+    else:
+        offset = np.full(b, past_len, np.int64)
+        valid = np.full(b, total, np.int64)
+
+    acc_dtype = np.dtype(np.float64 if Q.dtype == np.float64 or softmax_precision == 11
+                         else np.float32)
+    mask = None
+    if attn_mask is not None:
+        mask, mask_len = _mask_view(attn_mask, (b, hq, sq, total), acc_dtype)
+        np.minimum(valid, mask_len, out=valid)  # keys past the mask's end are -inf
+
+    out_dtype = np.dtype(np.float32) if Q.dtype in FLOAT8_TYPES else Q.dtype
+    return AttentionCall(q, k, v, past_k, past_v, mask, offset, valid, scale, softcap,
+                         is_causal, left, right, acc_dtype, out_dtype, three_d)
+
+
+def _float_input(x, name):
+    if x is None:
+        raise TypeError(f"{name} is required")
+    x = as_array(x, name)
+    if x.dtype not in ATTENTION_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; Attention takes float16, bfloat16, float32, float64 "
+            f"or an ml_dtypes float8 type")
+    return x
+
+
+def _heads_views(Q, K, V, q_num_heads, kv_num_heads):
+    """4-D ``(b, h, s, d)`` views of Q, K, V (3-D inputs are split, not copied)."""
+    if Q.ndim == 4:
+        for value, name, actual in ((q_num_heads, "q_num_heads", Q.shape[1]),
+                                    (kv_num_heads, "kv_num_heads", K.shape[1])):
+            if value is not None and as_int(value, name) != actual:
+                raise ValueError(f"{name} = {value} contradicts the 4-D input's {actual} heads")
+        return Q, K, V
+    if q_num_heads is None or kv_num_heads is None:
+        raise ValueError("3-D inputs need q_num_heads and kv_num_heads")
+    hq = as_int(q_num_heads, "q_num_heads")
+    hkv = as_int(kv_num_heads, "kv_num_heads")
+    if hq <= 0 or hkv <= 0:
+        raise ValueError(f"q_num_heads {hq} and kv_num_heads {hkv} must be positive")
+    views = []
+    for x, name, heads, heads_name in ((Q, "Q", hq, "q_num_heads"), (K, "K", hkv, "kv_num_heads"),
+                                       (V, "V", hkv, "kv_num_heads")):
+        if x.shape[2] % heads:
+            raise ValueError(
+                f"{name}'s hidden size {x.shape[2]} is not a multiple of {heads_name} {heads}")
+        views.append(x.reshape(x.shape[0], x.shape[1], heads, x.shape[2] // heads)
+                     .transpose(0, 2, 1, 3))
+    return views
+
+
+def _past(past_key, past_value, k_dtype, v_dtype, dims):
+    b, hkv, d, dv = dims
+    if (past_key is None) != (past_value is None):
+        raise ValueError("past_key and past_value must be given together")
+    if past_key is None:
+        return np.zeros((b, hkv, 0, d), k_dtype), np.zeros((b, hkv, 0, dv), v_dtype)
+    past_k = as_array(past_key, "past_key")
+    past_v = as_array(past_value, "past_value")
+    for arr, name, dtype, size in ((past_k, "past_key", k_dtype, d), (past_v, "past_value", v_dtype, dv)):
+        if arr.dtype != dtype:
+            raise TypeError(f"{name} has dtype {arr.dtype}, expected {dtype} (no implicit casting)")
+        if arr.ndim != 4 or arr.shape[0] != b or arr.shape[1] != hkv or arr.shape[3] != size:
+            raise ValueError(
+                f"{name} must have shape ({b}, {hkv}, past_sequence_length, {size}), got {arr.shape}")
+    if past_k.shape[2] != past_v.shape[2]:
+        raise ValueError(
+            f"past_key has length {past_k.shape[2]} but past_value has {past_v.shape[2]}")
+    return past_k, past_v
+
+
+def _flag(value, name):
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    value = as_int(value, name)
+    if value not in (0, 1):
+        raise ValueError(f"{name} must be 0 or 1, got {value}")
+    return bool(value)
+
+
+def _window(value, name):
+    value = as_int(value, name)
+    if value < -1:
+        raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {value}")
+    return value
+
+
+def _mask_view(attn_mask, target, acc_dtype):
+    """The mask as an additive ``acc_dtype`` broadcast view of shape
+    ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
+    mask = as_array(attn_mask, "attn_mask")
+    if mask.dtype.kind not in "biuf" and mask.dtype.name != "bfloat16":
+        raise TypeError(f"attn_mask must be bool or numeric, got dtype {mask.dtype}")
+    if not 1 <= mask.ndim <= 4:
+        raise ValueError(f"attn_mask must have rank 1 to 4, got rank {mask.ndim}")
+    b, hq, sq, total = target
+    length = mask.shape[-1]
+    if length > total:
+        raise ValueError(
+            f"attn_mask's last dimension {length} exceeds total_sequence_length {total}")
+    shape = (1,) * (4 - mask.ndim) + mask.shape
+    for dim, (n, want, what) in enumerate(zip(shape[:3], target[:3], ("batch_size", "q_num_heads", "q_sequence_length"))):
+        if n not in (1, want):
+            raise ValueError(
+                f"attn_mask shape {mask.shape} does not broadcast to ({b}, {hq}, {sq}, {total}): "
+                f"dimension {dim - 4} is {n}, expected 1 or {what} {want}")
+    if mask.dtype == np.bool_:
+        additive = np.where(mask, acc_dtype.type(0), acc_dtype.type(-np.inf))
+    else:
+        additive = mask.astype(acc_dtype, copy=False)
+    return np.broadcast_to(additive.reshape(shape), (b, hq, sq, length)), length

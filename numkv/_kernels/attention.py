@@ -1,0 +1,281 @@
+"""Blocked attention with an online softmax (ONNX Attention, opsets 23-25).
+
+Named dims: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G =
+Hq // Hkv`` query heads per kv head, ``Sq`` queries, ``P`` past keys, ``T = P +
+Skv`` keys in all, ``D`` Q/K head size, ``Dv`` V head size.
+
+Every tensor arrives as a flat 1-D buffer plus four element strides in the
+logical order ``(b, h, s, d)`` and a base offset, so 3-D inputs, transposes and
+cache slices are read in place.  Q/K/V buffers are float32, float64, or raw
+``uint16`` / ``uint8`` bits widened through a float32 decode table (float16,
+bfloat16, float8): one K/V tile at a time, never the whole cache.  Keys ``j <
+P`` come from the past buffers, the rest from the new K/V: no concatenation.
+
+``y`` (and the additive ``mask``) have the accumulation dtype: float32, or
+float64 for float64 inputs; scores, softmax and accumulators use it too.
+
+Which keys a query ``i`` of batch ``b`` sees is one interval per row,
+``lo <= j <= hi``, folded by the wrapper from ``is_causal``, the offset
+(``P`` or ``nonpad_kv_seqlen[b] - Sq``), the window sizes, the valid length
+and the mask's length; the additive mask is applied inside it.  Tiles outside
+every row's interval are never loaded.
+
+Parallel strategy: a flat ``prange`` over work items ``(b, kv_head, q_tile,
+kv_chunk)``; an item owns all ``G`` query heads that share its kv head, so each
+K/V tile is loaded once for them (GQA is an index map).  Long key ranges with
+few query tiles (decode) are split into chunks whose length depends on the
+shapes only; the partial softmaxes are then merged in chunk order, so results
+do not depend on the thread count.
+
+Preconditions (the wrapper checks them): every index the strides produce is in
+bounds, ``0 <= valid[b] <= T``, tile sizes >= 1, ``Hq % Hkv == 0``.
+"""
+
+import math
+
+import numpy as np
+from numba import prange, types
+from numba.extending import overload
+
+from .._config import jit
+
+# ints[] layout (see _attention.py, which fills it)
+(B_, HQ, HKV, SQ, T_, PAST, D_, DV, CAUSAL, LEFT, RIGHT, HAS_MASK, BQ, BK, CHUNK,
+ N_QT, N_CH, Q0, KP0, KN0, VP0, VN0, M0, Y0) = range(24)
+N_INTS = 24
+# strides[] layout: four (b, h, s, d) strides per tensor, in this order
+QS, KPS, KNS, VPS, VNS, MS, YS = (4 * i for i in range(7))
+
+
+def widen(buf, i, table):
+    """``buf[i]`` as a number: decoded through ``table`` when ``buf`` holds bits."""
+
+
+@overload(widen)
+def _widen(buf, i, table):
+    if isinstance(buf.dtype, types.Integer):
+        return lambda buf, i, table: table[buf[i]]
+    return lambda buf, i, table: buf[i]
+
+
+@jit()
+def _row_bounds(i, off, valid, causal, left, right):
+    """Inclusive key interval ``[lo, hi]`` of query ``i`` (``hi < lo``: none)."""
+    pos = off + i  # the query's absolute position
+    hi = valid - 1
+    if causal and pos < hi:
+        hi = pos
+    if right >= 0 and pos + right < hi:
+        hi = pos + right
+    lo = 0
+    if left >= 0 and pos - left > lo:
+        lo = pos - left
+    return lo, hi
+
+
+@jit()
+def _load_kv_tile(kt, vt, j0, n, b, hk, kp, kn, k_tab, vp, vn, v_tab, ints, st):
+    """Widen keys ``j0 .. j0+n`` of kv head ``hk``: K transposed into ``kt[d, j]``
+    (so score updates run along contiguous keys), V into ``vt[j, :]``."""
+    past, d_k, d_v = ints[PAST], ints[D_], ints[DV]
+    for jj in range(n):
+        j = j0 + jj
+        if j < past:
+            kbuf, kb, ks, vbuf, vb, vs, s = kp, ints[KP0], KPS, vp, ints[VP0], VPS, j
+        else:
+            kbuf, kb, ks, vbuf, vb, vs, s = kn, ints[KN0], KNS, vn, ints[VN0], VNS, j - past
+        base = kb + b * st[ks] + hk * st[ks + 1] + s * st[ks + 2]
+        for d in range(d_k):
+            kt[d, jj] = widen(kbuf, base + d * st[ks + 3], k_tab)
+        base = vb + b * st[vs] + hk * st[vs + 1] + s * st[vs + 2]
+        vrow = vt[jj]
+        for d in range(d_v):
+            vrow[d] = widen(vbuf, base + d * st[vs + 3], v_tab)
+
+
+def _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
+                    ints, st, floats, offset, valid):
+    # Only the work-item loops are parallel: numba's parfor passes then see a
+    # small body, which cut the compile time several-fold.
+    n_items = ints[B_] * ints[HKV] * ints[N_QT]
+    n_ch = ints[N_CH]
+    rows = (ints[HQ] // ints[HKV]) * ints[BQ]
+    # Partial softmaxes of split key ranges, merged below (empty when unsplit).
+    n_part = n_items * n_ch if n_ch > 1 else 0
+    part_m = np.empty((n_part, rows), y.dtype)
+    part_l = np.empty((n_part, rows), y.dtype)
+    part_acc = np.empty((n_part, rows, ints[DV]), y.dtype)
+    for work in prange(n_items * n_ch):
+        # int64: numba's prange index is unsigned, and a uint64 argument would
+        # compile _work_item a second time.
+        _work_item(np.int64(work), q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
+                   ints, st, floats, offset, valid, part_m, part_l, part_acc)
+    if n_ch > 1:
+        # Serial: splitting happens only below TARGET_ITEMS items, so the merge
+        # is tiny, and a second parallel region cost ~2 s of compile time.
+        for item in range(n_items):
+            _merge_item(item, y, ints, st, part_m, part_l, part_acc)
+
+
+@jit()
+def _work_item(work, q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
+               ints, st, floats, offset, valid, part_m, part_l, part_acc):
+    """Attention of one ``(b, kv_head, q_tile, kv_chunk)`` item: all ``G``
+    query heads of the kv head, ``BQ`` queries, the chunk's keys."""
+    hq, hkv, sq = ints[HQ], ints[HKV], ints[SQ]
+    d_k, d_v = ints[D_], ints[DV]
+    causal, left, right, has_mask = ints[CAUSAL] != 0, ints[LEFT], ints[RIGHT], ints[HAS_MASK] != 0
+    bq, bk, chunk, n_qt, n_ch = ints[BQ], ints[BK], ints[CHUNK], ints[N_QT], ints[N_CH]
+    scale, softcap = floats[0], floats[1]
+    group = hq // hkv
+    rows = group * bq
+    item, c = work // n_ch, work % n_ch
+    b, rest = item // (hkv * n_qt), item % (hkv * n_qt)
+    hk, qt = rest // n_qt, rest % n_qt
+    i0 = qt * bq
+    nq = min(bq, sq - i0)
+    off, nvalid = offset[b], valid[b]
+    k_start, k_stop = c * chunk, min((c + 1) * chunk, ints[T_])
+
+    # Key interval of every row; the item's union bounds the tiles loaded.
+    lo = np.empty(nq, np.int64)
+    hi = np.empty(nq, np.int64)
+    t_lo, t_hi = k_stop, k_start - 1
+    for ii in range(nq):
+        lo[ii], hi[ii] = _row_bounds(i0 + ii, off, nvalid, causal, left, right)
+        t_lo = min(t_lo, max(lo[ii], k_start))
+        t_hi = max(t_hi, min(hi[ii], k_stop - 1))
+
+    m = np.full(rows, -np.inf, y.dtype)
+    l = np.zeros(rows, y.dtype)
+    acc = np.zeros((rows, d_v), y.dtype)
+    if t_lo <= t_hi:
+        qs = np.empty((rows, d_k), y.dtype)
+        for g in range(group):
+            h = hk * group + g
+            for ii in range(nq):
+                base = ints[Q0] + b * st[QS] + h * st[QS + 1] + (i0 + ii) * st[QS + 2]
+                qrow = qs[g * bq + ii]
+                for d in range(d_k):
+                    qrow[d] = widen(q, base + d * st[QS + 3], q_tab) * scale
+        kt = np.empty((d_k, bk), y.dtype)
+        vt = np.empty((bk, d_v), y.dtype)
+        s = np.empty(bk, y.dtype)
+        for j0 in range(t_lo, t_hi + 1, bk):
+            n = min(bk, t_hi + 1 - j0)
+            _load_kv_tile(kt, vt, j0, n, b, hk, kp, kn, k_tab, vp, vn, v_tab, ints, st)
+            for g in range(group):
+                h = hk * group + g
+                for ii in range(nq):
+                    jl = max(lo[ii], j0) - j0
+                    jh = min(hi[ii], j0 + n - 1) - j0 + 1
+                    if jl >= jh:
+                        continue
+                    r = g * bq + ii
+                    _online_softmax_step(
+                        r, jl, jh, j0, s, qs[r], kt, vt, m, l, acc[r], softcap,
+                        has_mask, mask, ints[M0] + b * st[MS] + h * st[MS + 1]
+                        + (i0 + ii) * st[MS + 2], st[MS + 3])
+
+    if n_ch == 1:
+        for g in range(group):
+            for ii in range(nq):
+                r = g * bq + ii
+                _write_row(y, ints[Y0] + b * st[YS] + (hk * group + g) * st[YS + 1]
+                           + (i0 + ii) * st[YS + 2], st[YS + 3], acc[r], l[r])
+    else:
+        for r in range(rows):
+            part_m[work, r] = m[r]
+            part_l[work, r] = l[r]
+            for d in range(d_v):
+                part_acc[work, r, d] = acc[r, d]
+
+
+@jit()
+def _merge_item(item, y, ints, st, part_m, part_l, part_acc):
+    """Combine the chunks' partial softmaxes of one item, in chunk order:
+    ``m = max m_c``, ``l = sum l_c e^(m_c - m)``, ``acc = sum acc_c e^(m_c - m)``."""
+    hq, hkv, sq, d_v = ints[HQ], ints[HKV], ints[SQ], ints[DV]
+    bq, n_qt, n_ch = ints[BQ], ints[N_QT], ints[N_CH]
+    group = hq // hkv
+    b, rest = item // (hkv * n_qt), item % (hkv * n_qt)
+    hk, qt = rest // n_qt, rest % n_qt
+    i0 = qt * bq
+    nq = min(bq, sq - i0)
+    total = np.empty(d_v, y.dtype)
+    for g in range(group):
+        for ii in range(nq):
+            r = g * bq + ii
+            m_all = -np.inf
+            for c in range(n_ch):
+                m_all = max(m_all, part_m[item * n_ch + c, r])
+            for d in range(d_v):
+                total[d] = 0.0
+            l_all = 0.0
+            if m_all > -np.inf:
+                for c in range(n_ch):
+                    w = part_m[item * n_ch + c, r]
+                    if w == -np.inf:
+                        continue
+                    alpha = math.exp(w - m_all)
+                    l_all += part_l[item * n_ch + c, r] * alpha
+                    pacc = part_acc[item * n_ch + c, r]
+                    for d in range(d_v):
+                        total[d] += pacc[d] * alpha
+            _write_row(y, ints[Y0] + b * st[YS] + (hk * group + g) * st[YS + 1]
+                       + (i0 + ii) * st[YS + 2], st[YS + 3], total, l_all)
+
+
+@jit(fastmath=True)
+def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
+                         has_mask, mask, mask_base, mask_stride):
+    """Fold keys ``jl .. jh`` of the loaded tile into row ``r``'s running
+    max ``m``, sum ``l`` and accumulator (the flash-attention recurrence)."""
+    n = jh - jl
+    sr = s[:n]
+    for j in range(n):
+        sr[j] = 0.0
+    for d in range(qrow.shape[0]):
+        qd = qrow[d]
+        krow = kt[d, jl:jh]
+        for j in range(n):
+            sr[j] += qd * krow[j]
+    m_new = m[r]
+    for j in range(n):
+        x = sr[j]
+        if softcap > 0.0:  # ONNX: softcap before the mask
+            x = softcap * math.tanh(x / softcap)
+        if has_mask:
+            x += mask[mask_base + (j0 + jl + j) * mask_stride]
+        sr[j] = x
+        if x > m_new:
+            m_new = x
+    if m_new == -np.inf:  # every key of this span is masked: nothing to add
+        return
+    # Rescale what was accumulated under the old max: e^(m_old - m_new) (0 at start).
+    alpha = math.exp(m[r] - m_new)
+    total = l[r] * alpha
+    for d in range(acc_row.shape[0]):
+        acc_row[d] *= alpha
+    for j in range(n):
+        x = sr[j]
+        if x == -np.inf:  # skip before any exp: a masked key adds exactly nothing
+            continue
+        p = math.exp(x - m_new)
+        total += p
+        vrow = vt[jl + j]
+        for d in range(acc_row.shape[0]):
+            acc_row[d] += p * vrow[d]
+    l[r] = total
+    m[r] = m_new
+
+
+@jit()
+def _write_row(y, base, stride, acc_row, total):
+    """``y = acc / l``; a row that attended no key (``l == 0``) is zeros."""
+    inv = 0.0 if total == 0.0 else 1.0 / total
+    for d in range(acc_row.shape[0]):
+        y[base + d * stride] = acc_row[d] * inv
+
+
+attention_kernel = jit(parallel=True)(_attention_body)
