@@ -1,0 +1,96 @@
+"""numkv's kernels as ONNX ops: the full four-output ``Attention``, and
+``TensorScatter``, as functions and as ``onnx.reference`` ``OpRun`` classes.
+
+    sess = numkv.onnx.evaluator(model)        # ReferenceEvaluator on numkv kernels
+    sess.run(None, feeds)
+
+This is the only numkv module that imports ``onnx`` (extra ``numkv[onnx]``).
+"""
+
+try:
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+except ImportError as exc:  # pragma: no cover - exercised without onnx installed
+    raise ImportError(
+        "numkv.onnx needs the onnx package (>= 1.23.2): pip install 'numkv[onnx]'"
+    ) from exc
+
+import numpy as np
+
+from ._attention import prepare, run
+from ._reference import attention_reference
+from ._scatter import tensor_scatter
+from ._validate import as_int
+
+__all__ = ["attention", "tensor_scatter", "Attention", "TensorScatter", "evaluator"]
+
+
+def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
+              *, qk_matmul_output_mode=0, **attrs):
+    """The full ONNX Attention op: ``(Y, present_key, present_value, qk_matmul_output)``.
+
+    ``attrs`` are those of ``numkv.attention``.  ``qk_matmul_output`` (the
+    only place scores are materialised) follows onnx 1.23.2's reference:
+    mode 0 and 1 the scaled ``Q K^T`` (after the softcap, when one is set),
+    mode 2 with the mask / causal / window bias added, mode 3 the softmax
+    probabilities (zero rows where every key is masked).
+    """
+    return _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
+                      qk_matmul_output_mode, attrs, want_scores=True)
+
+
+def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, mode, attrs,
+               want_scores):
+    mode = as_int(mode, "qk_matmul_output_mode")
+    if mode not in (0, 1, 2, 3):
+        raise ValueError(f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {mode}")
+    call = prepare(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
+    y = run(call)
+    present_key = np.concatenate([call.past_k, call.k], axis=2)
+    present_value = np.concatenate([call.past_v, call.v], axis=2)
+    scores = None
+    if want_scores:
+        _, raw, with_bias, probs = attention_reference(call)
+        scores = (raw, raw, with_bias, probs)[mode].astype(call.out_dtype)
+    return y, present_key, present_value, scores
+
+
+class Attention(OpRun):
+    """ONNX ``Attention`` (opsets 23-25) on numkv's kernel; the scores output
+    is computed only when the node asks for it."""
+
+    op_domain = ""
+
+    def _run(self, Q, K, V, attn_mask=None, past_key=None, past_value=None,
+             nonpad_kv_seqlen=None, scale=None, is_causal=None, q_num_heads=None,
+             kv_num_heads=None, softmax_precision=None, softcap=None,
+             qk_matmul_output_mode=None, left_window_size=None, right_window_size=None):
+        outputs = self.onnx_node.output
+        want_scores = len(outputs) > 3 and bool(outputs[3])
+        attrs = dict(scale=scale, is_causal=bool(is_causal or 0), q_num_heads=q_num_heads,
+                     kv_num_heads=kv_num_heads, softcap=float(softcap or 0.0),
+                     softmax_precision=softmax_precision,
+                     left_window_size=-1 if left_window_size is None else left_window_size,
+                     right_window_size=-1 if right_window_size is None else right_window_size)
+        if Q.ndim == 4:  # opset 23/24 models may carry them; they add nothing to 4-D inputs
+            attrs["q_num_heads"] = attrs["kv_num_heads"] = None
+        return _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
+                          qk_matmul_output_mode or 0, attrs, want_scores)
+
+
+class TensorScatter(OpRun):
+    """ONNX ``TensorScatter`` (opset 24) on numkv's kernel."""
+
+    op_domain = ""
+
+    def _run(self, past_cache, update, write_indices=None, mode=None, axis=None):
+        return (tensor_scatter(past_cache, update, write_indices,
+                               axis=-2 if axis is None else axis,
+                               mode="linear" if mode is None else mode),)
+
+
+def evaluator(model, **kwargs):
+    """``onnx.reference.ReferenceEvaluator`` running Attention and TensorScatter
+    on numkv's kernels (``kwargs`` go to the evaluator)."""
+    new_ops = list(kwargs.pop("new_ops", [])) + [Attention, TensorScatter]
+    return ReferenceEvaluator(model, new_ops=new_ops, **kwargs)
