@@ -145,7 +145,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None):
     strides = np.array(
         [*operands["q"][2], *operands["past_k"][2], *operands["k"][2],
          *operands["past_v"][2], *operands["v"][2], *m_strides, *y_strides], np.int64)
-    floats = np.array([call.scale, call.softcap], np.float64)
+    floats = np.array([call.scale, call.softcap], call.acc_dtype)  # scalars typed like the scores
     _attention_kernel()(
         operands["q"][0], operands["q"][3],
         operands["past_k"][0], operands["k"][0], operands["k"][3],
@@ -189,6 +189,8 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
             f"q_num_heads {hq} must be a multiple of kv_num_heads {hkv} (MHA, GQA or MQA)")
     if k.shape[3] != d:
         raise ValueError(f"K head size {k.shape[3]} differs from Q head size {d}")
+    if d == 0:
+        raise ValueError("Q and K head size must be >= 1, got 0")
     if v.shape[2] != skv:
         raise ValueError(f"K has kv_sequence_length {skv} but V has {v.shape[2]}")
     dv = v.shape[3]
@@ -210,7 +212,7 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
                 f"softmax_precision must be one of 1 (FLOAT), 10 (FLOAT16), 11 (DOUBLE), "
                 f"16 (BFLOAT16), got {softmax_precision}")
     if scale is None:
-        scale = 1.0 / math.sqrt(d) if d else 1.0
+        scale = 1.0 / math.sqrt(d)
     else:
         scale = as_float(scale, "scale")
 

@@ -57,7 +57,9 @@ def _allowed(call, sq, total):
     valid lengths), from the same per-batch integers the kernel uses."""
     pos = call.offset[:, None, None, None] + np.arange(sq)[None, None, :, None]
     j = np.arange(total)[None, None, None, :]
-    allowed = (j < call.valid[:, None, None, None]) & (pos >= -total)  # (B, 1, Sq, T)
+    # Only causal and the windows depend on the query position: a very negative
+    # offset (nonpad_kv_seqlen[b] << Sq) masks nothing by itself.
+    allowed = (j < call.valid[:, None, None, None]) & np.ones((1, 1, sq, 1), bool)  # (B, 1, Sq, T)
     if call.is_causal:
         allowed &= j <= pos
     if call.left >= 0:

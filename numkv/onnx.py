@@ -74,8 +74,14 @@ class Attention(OpRun):
                      right_window_size=-1 if right_window_size is None else right_window_size)
         if Q.ndim == 4:  # opset 23/24 models may carry them; they add nothing to 4-D inputs
             attrs["q_num_heads"] = attrs["kv_num_heads"] = None
-        return _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
-                          qk_matmul_output_mode or 0, attrs, want_scores)
+        y, present_key, present_value, scores = _attention(
+            Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
+            qk_matmul_output_mode or 0, attrs, want_scores)
+        # OpRun rejects None among the results; the evaluator pairs results with
+        # node.output positionally, so an unrequested fourth output is left off.
+        if want_scores:
+            return y, present_key, present_value, scores
+        return y, present_key, present_value
 
 
 class TensorScatter(OpRun):

@@ -75,22 +75,42 @@ def _row_bounds(i, off, valid, causal, left, right):
 
 @jit()
 def _load_kv_tile(kt, vt, j0, n, b, hk, kp, kn, k_tab, vp, vn, v_tab, ints, st):
-    """Widen keys ``j0 .. j0+n`` of kv head ``hk``: K transposed into ``kt[d, j]``
-    (so score updates run along contiguous keys), V into ``vt[j, :]``."""
-    past, d_k, d_v = ints[PAST], ints[D_], ints[DV]
-    for jj in range(n):
-        j = j0 + jj
-        if j < past:
-            kbuf, kb, ks, vbuf, vb, vs, s = kp, ints[KP0], KPS, vp, ints[VP0], VPS, j
+    """Widen keys ``j0 .. j0+n`` of kv head ``hk`` into the rows of ``kt`` and
+    ``vt`` (contiguous rows: the dot products below vectorise).  Keys before
+    ``past`` come from the past buffers, the rest from the new K/V."""
+    past = ints[PAST]
+    n_past = min(max(past - j0, 0), n)
+    if n_past > 0:
+        _load_rows(kt, 0, n_past, kp, ints[KP0] + b * st[KPS] + hk * st[KPS + 1] + j0 * st[KPS + 2],
+                   st[KPS + 2], st[KPS + 3], k_tab)
+        _load_rows(vt, 0, n_past, vp, ints[VP0] + b * st[VPS] + hk * st[VPS + 1] + j0 * st[VPS + 2],
+                   st[VPS + 2], st[VPS + 3], v_tab)
+    if n_past < n:
+        s0 = j0 + n_past - past
+        _load_rows(kt, n_past, n, kn, ints[KN0] + b * st[KNS] + hk * st[KNS + 1] + s0 * st[KNS + 2],
+                   st[KNS + 2], st[KNS + 3], k_tab)
+        _load_rows(vt, n_past, n, vn, ints[VN0] + b * st[VNS] + hk * st[VNS + 1] + s0 * st[VNS + 2],
+                   st[VNS + 2], st[VNS + 3], v_tab)
+
+
+@jit()
+def _load_rows(tile, first, stop, buf, base, seq_stride, stride, table):
+    """``tile[first + t, d] = buf[base + t * seq_stride + d * stride]``, widened.
+
+    Offsets are >= 0 by construction; indexing with unsigned integers spares
+    numba's negative-index wraparound, so the unit-stride copy vectorises.
+    Indexing the 2-D tile directly (no row views) keeps NRT reference counting
+    out of the per-key loop (it cost ~100 ns a key).
+    """
+    width = tile.shape[1]
+    for t in range(stop - first):
+        row_base = np.uint64(base + t * seq_stride)
+        if stride == 1:
+            for d in range(width):
+                tile[first + t, d] = widen(buf, row_base + np.uint64(d), table)
         else:
-            kbuf, kb, ks, vbuf, vb, vs, s = kn, ints[KN0], KNS, vn, ints[VN0], VNS, j - past
-        base = kb + b * st[ks] + hk * st[ks + 1] + s * st[ks + 2]
-        for d in range(d_k):
-            kt[d, jj] = widen(kbuf, base + d * st[ks + 3], k_tab)
-        base = vb + b * st[vs] + hk * st[vs + 1] + s * st[vs + 2]
-        vrow = vt[jj]
-        for d in range(d_v):
-            vrow[d] = widen(vbuf, base + d * st[vs + 3], v_tab)
+            for d in range(width):
+                tile[first + t, d] = widen(buf, np.uint64(base + t * seq_stride + d * stride), table)
 
 
 def _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
@@ -155,10 +175,11 @@ def _work_item(work, q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
             h = hk * group + g
             for ii in range(nq):
                 base = ints[Q0] + b * st[QS] + h * st[QS + 1] + (i0 + ii) * st[QS + 2]
-                qrow = qs[g * bq + ii]
+                r = g * bq + ii
+                _load_rows(qs, r, r + 1, q, base, 0, st[QS + 3], q_tab)
                 for d in range(d_k):
-                    qrow[d] = widen(q, base + d * st[QS + 3], q_tab) * scale
-        kt = np.empty((d_k, bk), y.dtype)
+                    qs[r, d] *= scale
+        kt = np.empty((bk, d_k), y.dtype)
         vt = np.empty((bk, d_v), y.dtype)
         s = np.empty(bk, y.dtype)
         for j0 in range(t_lo, t_hi + 1, bk):
@@ -234,12 +255,11 @@ def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
     n = jh - jl
     sr = s[:n]
     for j in range(n):
-        sr[j] = 0.0
-    for d in range(qrow.shape[0]):
-        qd = qrow[d]
-        krow = kt[d, jl:jh]
-        for j in range(n):
-            sr[j] += qd * krow[j]
+        jj = jl + j
+        dot = qrow[0] * kt[jj, 0]  # typed like the scores (a 0.0 literal is float64)
+        for d in range(1, qrow.shape[0]):  # reassociated: a vectorised reduction
+            dot += qrow[d] * kt[jj, d]
+        sr[j] = dot
     m_new = m[r]
     for j in range(n):
         x = sr[j]
@@ -263,9 +283,9 @@ def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
             continue
         p = math.exp(x - m_new)
         total += p
-        vrow = vt[jl + j]
+        jj = jl + j
         for d in range(acc_row.shape[0]):
-            acc_row[d] += p * vrow[d]
+            acc_row[d] += p * vt[jj, d]
     l[r] = total
     m[r] = m_new
 
