@@ -10,5 +10,10 @@ __version__ = "0.1.0"
 
 from ._attention import attention
 from ._scatter import tensor_scatter
+from .cache import DynamicKVCache, StaticKVCache
+from .layers import CachedSelfAttention
 
-__all__ = ["attention", "tensor_scatter", "__version__"]
+__all__ = [
+    "attention", "tensor_scatter", "DynamicKVCache", "StaticKVCache", "CachedSelfAttention",
+    "__version__",
+]

@@ -1,0 +1,463 @@
+"""KV caches for autoregressive decoding: plain Python over ``tensor_scatter``.
+
+Shapes, in the names used throughout: ``B`` batch rows, ``H`` key/value heads,
+``C`` the buffer's capacity (``max_seq_len``), ``D`` / ``Dv`` key / value head
+size, ``S`` the number of new positions in one ``append``.  Keys and values are
+stored ``(B, H, C, D)`` — the layout ``numkv.attention`` reads in place.
+
+Every row keeps its own length (``seq_lens``), so a batch of prompts of
+different lengths lives in one cache: ``append`` writes row ``b``'s new keys at
+``seq_lens[b]`` with one ``tensor_scatter(..., out=buffer)`` call, O(new tokens).
+An optional ``lengths`` says how many of the ``S`` new positions of each row are
+real tokens (right-padded chunks); the padding is written but not counted, and
+the row's next append overwrites it.
+
+After an ``append``, ``attention_inputs()`` gives the keyword arguments that make
+``numkv.attention(Q, **inputs)`` correct for the queries of that append (the
+offset causal mask, ragged rows, the sliding window): see ``CachedSelfAttention``
+in ``numkv.layers``.
+
+Errors follow API.md: shapes and modes -> ``ValueError``, a key or value of
+another dtype -> ``TypeError`` (never a silent cast).  Everything is checked
+before anything is written, so a failed ``append`` leaves the cache unchanged.
+"""
+
+import operator
+
+import numpy as np
+
+from ._dtypes import is_scatter_dtype
+from ._scatter import tensor_scatter
+
+MODES = ("linear", "circular")
+
+
+def _count(value, name, minimum):
+    """A plain integer argument ``>= minimum`` (bools rejected)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_kv(array, name):
+    # No np.asarray of lists: a list of Python floats would become float64,
+    # a cast the caller did not ask for.
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    if array.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 (batch, heads, new_seq, head_dim), got shape {array.shape}")
+    return array
+
+
+class _KVCache:
+    """What both caches share: per-row lengths, argument checks, the scatter
+    write, and the attention inputs of the last append.
+
+    Subclasses own ``_k``, ``_v`` (the buffers, or None), ``_lens`` (int64
+    tokens appended per row), ``_last`` (``(start, S)`` of the last append).
+    """
+
+    mode = "linear"
+
+    # -- lengths -----------------------------------------------------------
+    @property
+    def seq_lens(self):
+        """Tokens appended to each row since the last ``reset`` (int64, a copy).
+
+        For a linear cache this is each row's valid prefix, usable directly as
+        ``numkv.attention``'s ``nonpad_kv_seqlen`` over ``get()`` or the buffers.
+        It is also the absolute position the row's next token will take.
+        """
+        return self._lens.copy()
+
+    @property
+    def seq_len(self):
+        """The longest row's ``seq_lens`` (0 when empty)."""
+        return int(self._lens.max()) if self._lens.size else 0
+
+    # -- checks ------------------------------------------------------------
+    def _check_pair(self, key, value, batch, heads, head_dim, v_head_dim, dtype):
+        key, value = _as_kv(key, "key"), _as_kv(value, "value")
+        for name, arr, dim, size in (("key", key, "head_dim", head_dim),
+                                     ("value", value, "v_head_dim", v_head_dim)):
+            if arr.dtype != dtype:
+                raise TypeError(f"{name} has dtype {arr.dtype}, the cache holds {dtype} (no implicit casting)")
+            if arr.shape[0] != batch:
+                raise ValueError(f"{name}.shape[0] (batch) = {arr.shape[0]}, the cache has batch_size {batch}")
+            if arr.shape[1] != heads:
+                raise ValueError(f"{name}.shape[1] (heads) = {arr.shape[1]}, the cache has num_heads {heads}")
+            if arr.shape[3] != size:
+                raise ValueError(f"{name}.shape[3] ({dim}) = {arr.shape[3]}, the cache has {dim} {size}")
+        if key.shape[2] != value.shape[2]:
+            raise ValueError(f"key has {key.shape[2]} new positions, value has {value.shape[2]}")
+        return key, value
+
+    def _new_lengths(self, lengths, batch, new):
+        """Tokens each row really gains: ``new`` everywhere, or ``lengths``."""
+        if lengths is None:
+            return np.full(batch, new, np.int64)
+        arr = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"lengths must be an integer array, got dtype {arr.dtype}")
+        if arr.shape != (batch,):
+            raise ValueError(f"lengths must have shape (batch_size,) = ({batch},), got {arr.shape}")
+        arr = arr.astype(np.int64)
+        bad = np.flatnonzero((arr < 0) | (arr > new))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"lengths[{b}] = {arr[b]} is outside [0, {new}] (the new sequence length)")
+        return arr
+
+    def _check_fits(self, start, new, capacity):
+        over = np.flatnonzero(start + new > capacity)
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"cache overflow at batch row {b}: seq_lens[{b}] = {start[b]} + {new} new "
+                f"> max_seq_len {capacity}"
+            )
+
+    # -- the write ---------------------------------------------------------
+    def _write(self, key, value, start, gained):
+        """Scatter at each row's own position, in place: O(new tokens)."""
+        if key.shape[2]:
+            tensor_scatter(self._k, key, start, axis=2, mode=self.mode, out=self._k)
+            tensor_scatter(self._v, value, start, axis=2, mode=self.mode, out=self._v)
+        self._last = (start, key.shape[2])
+        self._lens = start + gained
+
+    def get(self):
+        """``(keys, values)``: views of the buffers up to the longest row, no copy.
+
+        Rows shorter than ``seq_len`` hold stale data past their own length;
+        ``seq_lens`` says where each row ends.  The views alias the cache: later
+        appends write through them.
+        """
+        if self._k is None:
+            return None, None
+        n = self._held()
+        return self._k[:, :, :n], self._v[:, :, :n]
+
+    def _held(self):
+        return self.seq_len
+
+    def attention_inputs(self):
+        """Keyword arguments for ``numkv.attention(Q, **inputs)`` where ``Q``
+        holds the queries of the last ``append`` (``S`` of them per row, at
+        absolute positions ``seq_lens_before[b] + i``).
+
+        Linear caches: ``K``/``V`` up to the furthest written position, with
+        ``nonpad_kv_seqlen = start + S`` and ``is_causal=True``, which puts the
+        causal diagonal at offset ``start[b]`` per row (API.md: offset =
+        ``nonpad_kv_seqlen[b] - q_sequence_length``).  Padding queries of a
+        right-padded chunk see padding keys; their outputs are meaningless and
+        ignored, while real queries never reach past their own position.
+        """
+        if self._k is None or self._last is None:
+            raise ValueError("attention_inputs() needs a previous append")
+        start, new = self._last
+        extent = start + new
+        n = int(extent.max()) if extent.size else 0
+        return dict(K=self._k[:, :, :n], V=self._v[:, :, :n],
+                    nonpad_kv_seqlen=extent, is_causal=True)
+
+    def _crop_lengths(self, n):
+        n = operator.index(n)
+        if n >= 0:
+            return np.minimum(self._lens, n)
+        return np.maximum(self._lens + n, 0)
+
+    def crop(self, n):
+        """Keep the first ``n`` tokens of each row (``n < 0``: drop ``-n`` from
+        each row's end), e.g. to roll back rejected speculative tokens.  Only
+        the lengths change; the dropped positions are overwritten later."""
+        self._lens = self._crop_lengths(n)
+        self._last = None
+
+
+class DynamicKVCache(_KVCache):
+    """A KV cache that grows as tokens arrive.
+
+    The first ``append`` fixes batch size, heads, head sizes and dtype.  Keys
+    and values live in a preallocated ``(B, H, capacity, D)`` buffer whose
+    capacity doubles when it runs out, so ``n`` appends cost O(n) amortised
+    copying instead of the O(n^2) of concatenating per token.  Supports the
+    same ragged rows and ``lengths`` as ``StaticKVCache`` (linear mode).
+    """
+
+    MIN_CAPACITY = 16
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        """Forget everything, shapes and dtype included (buffers released)."""
+        self._k = self._v = None
+        self._lens = np.zeros(0, np.int64)
+        self._last = None
+
+    @property
+    def dtype(self):
+        """The stored dtype (``None`` before the first append)."""
+        return None if self._k is None else self._k.dtype
+
+    @property
+    def capacity(self):
+        return 0 if self._k is None else self._k.shape[2]
+
+    max_chunk = None  # any number of new positions per append
+
+    def append(self, key, value, lengths=None):
+        """Append ``key`` ``(B, H, S, D)`` and ``value`` ``(B, H, S, Dv)`` at each
+        row's length; returns ``get()`` (views of everything cached).
+
+        ``lengths`` (optional, ``(B,)`` ints in ``[0, S]``): real tokens per
+        row; the rest of the ``S`` positions are padding, not counted.
+        """
+        if self._k is None:
+            # The first append fixes the shapes and dtype the others must match.
+            key, value = _as_kv(key, "key"), _as_kv(value, "value")
+            if not is_scatter_dtype(key.dtype) or key.dtype.kind in "USO":
+                raise TypeError(f"key dtype {key.dtype} is not supported for a KV cache")
+            batch, heads, _, head_dim = key.shape
+            v_head_dim, dtype = value.shape[3], key.dtype
+            start = np.zeros(batch, np.int64)
+        else:
+            batch, heads, _, head_dim = self._k.shape
+            v_head_dim, dtype = self._v.shape[3], self._k.dtype
+            start = self._lens
+        key, value = self._check_pair(key, value, batch, heads, head_dim, v_head_dim, dtype)
+        new = key.shape[2]
+        gained = self._new_lengths(lengths, batch, new)
+        # Validated: from here on nothing can fail but memory allocation.
+        if self._k is None:
+            shape = (batch, heads, max(self.MIN_CAPACITY, new))
+            self._k = np.zeros(shape + (head_dim,), key.dtype)
+            self._v = np.zeros(shape + (v_head_dim,), key.dtype)
+            self._lens = start
+        needed = int((start + new).max()) if batch else 0
+        if needed > self.capacity:
+            self._grow(max(needed, 2 * self.capacity))
+        self._write(key, value, start, gained)
+        return self.get()
+
+    def _grow(self, capacity):
+        # Copy only each row's valid prefix region: padding written past a
+        # row's length by the previous append is dead once a new append starts.
+        used = self.seq_len
+        k = np.zeros(self._k.shape[:2] + (capacity, self._k.shape[3]), self._k.dtype)
+        v = np.zeros(self._v.shape[:2] + (capacity, self._v.shape[3]), self._v.dtype)
+        k[:, :, :used] = self._k[:, :, :used]
+        v[:, :, :used] = self._v[:, :, :used]
+        self._k, self._v = k, v  # views handed out earlier keep the old buffers
+
+
+class StaticKVCache(_KVCache):
+    """A preallocated KV cache: ``(B, H, max_seq_len, D)`` key and value buffers.
+
+    ``append`` writes each row's new keys at that row's own length with
+    ``numkv.tensor_scatter(buffer, key, seq_lens, axis=2, mode=mode,
+    out=buffer)``: no allocation for the buffers, O(new tokens) per call.
+    ``get()`` returns views, never copies.  Any dtype ``tensor_scatter`` takes
+    (float32, float16, bfloat16, the float8 types of ``ml_dtypes``, ...); keys
+    and values must arrive in that dtype — quantising is the caller's choice.
+
+    ``mode="linear"``: row ``b`` holds positions ``0 .. seq_lens[b] - 1`` in
+    order; appending past ``max_seq_len`` raises ``ValueError``.
+
+    ``mode="circular"``: a sliding-window (ring buffer) cache.  Position ``p``
+    lives in slot ``p % max_seq_len``; queries attend the last ``window``
+    positions (``window`` defaults to ``max_seq_len``).  Two things differ from a
+    linear cache, and the design answers both:
+
+    * slot order is not position order once the ring wraps, so the causal and
+      window rules can't be expressed by key index (``is_causal``,
+      ``left_window_size``).  ``attention_inputs()`` instead builds a boolean
+      mask from each slot's absolute position (O(B x S x slots) bytes; for
+      one-token steps with ``window == max_seq_len`` every held slot is in the
+      window and a plain ``nonpad_kv_seqlen`` does).
+    * a chunk of ``S`` tokens is written before its queries attend, so its last
+      keys overwrite the slots of the ``S - 1`` oldest positions — which its
+      first queries still need when ``window`` fills the ring.  Hence the
+      capacity must be ``>= window + S - 1`` for a chunk that is attended:
+      ``max_chunk = max_seq_len - window + 1``.  ``append`` itself takes up to
+      ``max_seq_len`` positions (a ring keeps the last ones), but
+      ``attention_inputs()`` refuses (``ValueError``) after an append longer
+      than ``max_chunk``.  Give the cache a window smaller than its capacity
+      to prefill in chunks; ``CachedSelfAttention`` splits longer inputs into
+      chunks of ``max_chunk`` by itself.  (The other answer, attending before
+      writing, would need old and new keys in one ``K`` without a copy.)
+
+    In circular mode ``seq_lens`` still counts every token appended (the
+    absolute position of the next one); the ring holds the last
+    ``min(seq_lens[b], max_seq_len)`` of them, ``positions()`` says which.
+    """
+
+    def __init__(self, batch_size, num_heads, max_seq_len, head_dim, *, dtype=np.float32,
+                 v_head_dim=None, mode="linear", window=None):
+        batch_size = _count(batch_size, "batch_size", 0)
+        num_heads = _count(num_heads, "num_heads", 1)
+        max_seq_len = _count(max_seq_len, "max_seq_len", 1)
+        head_dim = _count(head_dim, "head_dim", 1)
+        v_head_dim = head_dim if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
+        if window is not None and mode != "circular":
+            raise ValueError("window applies to mode='circular' only")
+        window = max_seq_len if window is None else _count(window, "window", 1)
+        if window > max_seq_len:
+            raise ValueError(f"window {window} > max_seq_len {max_seq_len}")
+        dtype = np.dtype(dtype)
+        if not is_scatter_dtype(dtype) or dtype.kind in "USO":
+            raise TypeError(f"dtype {dtype} is not supported for a KV cache")
+        self.mode = mode
+        self.window = window
+        # np.zeros: calloc'd pages, so a large unused capacity costs no time.
+        self._k = np.zeros((batch_size, num_heads, max_seq_len, head_dim), dtype)
+        self._v = np.zeros((batch_size, num_heads, max_seq_len, v_head_dim), dtype)
+        self.reset()
+
+    @property
+    def key_buffer(self):
+        """The whole ``(B, H, max_seq_len, D)`` key buffer (the cache's own array)."""
+        return self._k
+
+    @property
+    def value_buffer(self):
+        return self._v
+
+    @property
+    def dtype(self):
+        return self._k.dtype
+
+    @property
+    def capacity(self):
+        return self._k.shape[2]
+
+    max_seq_len = capacity
+
+    @property
+    def max_chunk(self):
+        """The most new positions one append takes (circular mode), else None."""
+        return self.capacity - self.window + 1 if self.mode == "circular" else None
+
+    def reset(self):
+        """Empty every row; the buffers stay allocated (and are not cleared)."""
+        self._lens = np.zeros(self._k.shape[0], np.int64)
+        # Circular mode: per row, one past the furthest position written since
+        # reset (padding included) — what crop() must not uncover.
+        self._high = np.zeros(self._k.shape[0], np.int64)
+        self._last = None
+
+    def append(self, key, value, lengths=None):
+        """Write ``key`` ``(B, H, S, D)`` / ``value`` ``(B, H, S, Dv)`` at each row's
+        ``seq_lens``; returns ``get()`` (views).
+
+        ``lengths`` (optional ``(B,)`` ints in ``[0, S]``): how many of the ``S``
+        positions of each row are real tokens; the rest are padding (written,
+        so they must fit, but not counted).  Raises before writing anything:
+        ``TypeError`` for another dtype, ``ValueError`` for a batch / head /
+        head size mismatch, an overflow (linear), more than ``max_seq_len``
+        positions or padding that would overwrite keys still needed (circular).
+        """
+        batch, heads, _, head_dim = self._k.shape
+        key, value = self._check_pair(key, value, batch, heads, head_dim, self._v.shape[3], self._k.dtype)
+        new = key.shape[2]
+        gained = self._new_lengths(lengths, batch, new)
+        start = self._lens
+        if self.mode == "linear":
+            self._check_fits(start, new, self.capacity)
+        else:
+            if new > self.capacity:
+                raise ValueError(f"{new} new positions > max_seq_len {self.capacity} of the circular cache")
+            high = np.maximum(self._high, start + new)
+            self._check_ring(start + gained, high, "padding written by this append")
+        self._write(key, value, start, gained)
+        if self.mode == "circular":
+            self._high = high
+        return self.get()
+
+    def _check_ring(self, lens, high, culprit):
+        """Circular mode: a later chunk of up to ``max_chunk`` queries from
+        position ``lens[b]`` needs positions ``lens[b] - window + 1 ..``; slot
+        ``p % C`` still holds ``p`` iff nothing at ``p + C`` or beyond was
+        written, i.e. iff ``p >= high[b] - C`` with ``high[b]`` one past the
+        furthest position written since reset (padding included).  So the
+        ring is sound iff ``lens[b] - window + 1 >= high[b] - C``, that is
+        ``lens[b] >= high[b] - max_chunk``; then stale slots also sit a full
+        window behind every later query, and the window mask hides them."""
+        bad = np.flatnonzero(lens < high - self.max_chunk)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"row {b} of the circular cache would keep {lens[b]} tokens, but {culprit} "
+                f"(up to position {high[b] - 1}) overwrote keys its next queries need "
+                f"(max_chunk = {self.max_chunk})"
+            )
+
+    def _held(self):
+        return min(self.seq_len, self.capacity) if self.mode == "circular" else self.seq_len
+
+    def positions(self):
+        """Absolute position held by each slot of ``get()``, ``(B, slots)``
+        int64, -1 where a slot holds nothing (yet) for that row."""
+        n = self._held()
+        slots = np.arange(n)
+        if self.mode == "linear":
+            return np.where(slots < self._lens[:, None], slots, -1)
+        return self._slot_positions(self._lens, n)
+
+    def _slot_positions(self, end, n):
+        # Slot s holds the latest position p < end with p % C == s (or none).
+        end = end[:, None]
+        pos = end - 1 - (end - 1 - np.arange(n)) % self.capacity
+        return np.where(pos >= 0, pos, -1)
+
+    def attention_inputs(self):
+        """See ``_KVCache.attention_inputs``.  Circular mode: the held slots
+        with a boolean ``attn_mask`` ``(B, 1, S, slots)`` that lets query
+        ``q = start[b] + i`` attend the slot holding position ``p`` iff
+        ``q - window < p <= q`` — attention over the last ``window`` absolute
+        positions, whatever order the ring keeps them in.  Padding written by
+        an earlier append with ``lengths`` sits in slots whose interpreted
+        position is at least ``window`` behind every later query, so the
+        window rule masks it too.
+        """
+        if self.mode == "linear":
+            return super().attention_inputs()
+        if self._last is None:
+            raise ValueError("attention_inputs() needs a previous append")
+        start, new = self._last
+        if new > self.max_chunk:
+            raise ValueError(
+                f"the last append wrote {new} positions, more than max_chunk = {self.max_chunk} "
+                f"(max_seq_len {self.capacity} - window {self.window} + 1): its last keys overwrote "
+                f"keys its first queries need; append at most max_chunk positions before attending"
+            )
+        extent = start + new
+        n = min(int(extent.max()) if extent.size else 0, self.capacity)
+        K, V = self._k[:, :, :n], self._v[:, :, :n]
+        if new == 1 and self.window == self.capacity:
+            # The ring holds exactly the last min(extent, C) positions, in
+            # slots 0 .. min(extent, C) - 1: a valid prefix.
+            return dict(K=K, V=V, nonpad_kv_seqlen=np.minimum(extent, self.capacity))
+        pos = self._slot_positions(extent, n)[:, None, :]           # (B, 1, n)
+        query = (start[:, None] + np.arange(new))[:, :, None]       # (B, S, 1)
+        mask = (pos >= 0) & (pos <= query) & (pos > query - self.window)
+        return dict(K=K, V=V, attn_mask=mask[:, None])
+
+    def crop(self, n):
+        """Keep the first ``n`` tokens of each row (``n < 0``: drop ``-n`` per
+        row).  Circular mode allows it only while the positions the next
+        queries need have not been overwritten (``ValueError`` otherwise)."""
+        lens = self._crop_lengths(n)
+        if self.mode == "circular":
+            self._check_ring(lens, self._high, "later positions")
+        self._lens = lens
+        self._last = None

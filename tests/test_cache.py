@@ -1,0 +1,331 @@
+"""DynamicKVCache and StaticKVCache: storage, views, errors, the ring.
+
+* appends read back as the concatenation of what went in, per row (ragged
+  rows, padding via ``lengths``, a zero-length row), in every cache dtype,
+  bit-exact;
+* ``get()`` and ``append()`` return views of the buffers; a StaticKVCache never
+  reallocates them and a step allocates nothing of their size (tracemalloc);
+  a DynamicKVCache reallocates O(log n) times;
+* every error of API.md with its exception type, and the cache unchanged after;
+* circular mode: which slot holds which position, and ``attention_inputs()``
+  through ``numkv.attention`` against onnx.reference's windowed attention over
+  the keys in absolute-position order, for single and multi-token chunks that
+  wrap around the ring.
+"""
+
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import oracle
+from conftest import random_bits, same_bits
+from numkv.cache import DynamicKVCache, StaticKVCache
+
+B, H, D, DV = 3, 2, 4, 5
+
+
+def kv(rng, n, dtype=np.float32, batch=B, heads=H, d=D, dv=DV):
+    k = random_bits(rng, (batch, heads, n, d), dtype) if np.dtype(dtype) != np.float32 else \
+        rng.standard_normal((batch, heads, n, d)).astype(np.float32)
+    v = random_bits(rng, (batch, heads, n, dv), dtype) if np.dtype(dtype) != np.float32 else \
+        rng.standard_normal((batch, heads, n, dv)).astype(np.float32)
+    return k, v
+
+
+def make(kind, dtype=np.float32, capacity=32, window=None):
+    if kind == "dynamic":
+        return DynamicKVCache()
+    mode = "circular" if kind == "circular" else "linear"
+    return StaticKVCache(B, H, capacity, D, dtype=dtype, v_head_dim=DV, mode=mode, window=window)
+
+
+def snapshot(cache):
+    keys, values = cache.get()
+    copy = None if keys is None else (keys.copy(), values.copy())
+    bufs = None if cache._k is None else (cache._k.copy(), cache._v.copy())
+    return cache.seq_lens, copy, bufs
+
+
+def assert_unchanged(cache, snap):
+    lens, copy, bufs = snap
+    np.testing.assert_array_equal(cache.seq_lens, lens)
+    if copy is not None:
+        assert same_bits(cache.get()[0], copy[0]) and same_bits(cache.get()[1], copy[1])
+    if bufs is not None:
+        assert same_bits(cache._k, bufs[0]) and same_bits(cache._v, bufs[1])
+
+
+# --- storage ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize(
+    "dtype", [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
+              np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)],
+    ids=lambda d: d.name)
+def test_append_reads_back_ragged(rng, kind, dtype):
+    """Rows gain different numbers of tokens (one gains none); each row's
+    cached prefix is exactly its tokens, in order, bit for bit."""
+    cache = make(kind, dtype, capacity=40)
+    rows = [[[], []] for _ in range(B)]  # per row: key chunks, value chunks
+    for new, lengths in [(5, [5, 0, 3]), (1, None), (4, [2, 0, 4]), (1, [1, 0, 1]), (3, None)]:
+        k, v = kv(rng, new, dtype)
+        keys, values = cache.append(k, v, lengths=lengths)
+        gained = [new] * B if lengths is None else lengths
+        for b in range(B):
+            rows[b][0].append(k[b, :, :gained[b]])
+            rows[b][1].append(v[b, :, :gained[b]])
+        lens = cache.seq_lens
+        assert lens.dtype == np.int64 and cache.seq_len == lens.max()
+        assert keys.shape == (B, H, cache.seq_len, D) and values.shape == (B, H, cache.seq_len, DV)
+        for b in range(B):
+            assert same_bits(keys[b, :, :lens[b]], np.concatenate(rows[b][0], axis=1))
+            assert same_bits(values[b, :, :lens[b]], np.concatenate(rows[b][1], axis=1))
+    assert cache.seq_lens.tolist() == [12, 4, 12]
+    cache.reset()
+    assert cache.seq_len == 0
+
+
+def test_static_append_never_reallocates(rng):
+    cache = StaticKVCache(B, H, 64, D, v_head_dim=DV)
+    kbuf, vbuf = cache.key_buffer, cache.value_buffer
+    for n in (7, 1, 1, 3):
+        k, v = kv(rng, n)
+        keys, values = cache.append(k, v)
+        assert cache.key_buffer is kbuf and cache.value_buffer is vbuf
+        assert keys.base is kbuf and values.base is vbuf  # views, not copies
+    got_k, got_v = cache.get()
+    assert np.shares_memory(got_k, kbuf) and np.shares_memory(got_v, vbuf)
+    assert got_k.shape[2] == 12
+
+
+def test_static_step_allocates_nothing_of_buffer_size(rng):
+    """One decode step costs O(new token): tracemalloc sees no buffer-sized
+    allocation over many steps (a copy of either buffer would be 512 KiB)."""
+    cache = StaticKVCache(2, 4, 4096, 16)
+    k, v = kv(rng, 1, batch=2, heads=4, d=16, dv=16)
+    cache.append(k, v)  # warm: compile and plan caches
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(200):
+            cache.append(k, v)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert cache.seq_len == 201
+    assert peak < 64 * 1024, peak
+
+
+def test_dynamic_growth_is_amortised(rng):
+    """Capacity doubles: 300 one-token appends reallocate a handful of times,
+    and views returned earlier keep their data."""
+    cache = DynamicKVCache()
+    k, v = kv(rng, 1)
+    first, _ = cache.append(k, v)
+    buffers = {id(cache._k)}
+    for _ in range(299):
+        keys, _ = cache.append(k, v)
+        buffers.add(id(cache._k))
+    assert cache.seq_len == 300 and cache.capacity < 2 * 300
+    assert len(buffers) <= 6  # 16 -> 32 -> ... -> 512
+    np.testing.assert_array_equal(first[:, :, 0], k[:, :, 0])
+    assert np.shares_memory(keys, cache._k)
+
+
+def test_crop(rng):
+    for cache in (DynamicKVCache(), make("static")):
+        k, v = kv(rng, 6)
+        cache.append(k, v, lengths=[6, 2, 4])
+        cache.crop(3)
+        assert cache.seq_lens.tolist() == [3, 2, 3]
+        cache.crop(-2)
+        assert cache.seq_lens.tolist() == [1, 0, 1]
+        k2, v2 = kv(rng, 1)
+        keys, _ = cache.append(k2, v2)
+        np.testing.assert_array_equal(keys[0, :, :2], np.concatenate([k[0, :, :1], k2[0]], axis=1))
+
+
+# --- errors ----------------------------------------------------------------
+
+BAD_APPENDS = {
+    "batch": (ValueError, r"shape\[0\] \(batch\)", lambda k, v: (k[:2], v[:2])),
+    "heads": (ValueError, r"shape\[1\] \(heads\)", lambda k, v: (k[:, :1], v[:, :1])),
+    "head_dim": (ValueError, r"key.shape\[3\] \(head_dim\)", lambda k, v: (k[..., :3], v)),
+    "v_head_dim": (ValueError, r"value.shape\[3\] \(v_head_dim\)", lambda k, v: (k, v[..., :3])),
+    "seq-differs": (ValueError, "new positions", lambda k, v: (k, v[:, :, :1])),
+    "rank": (ValueError, "rank 4", lambda k, v: (k[0], v[0])),
+    "key-dtype": (TypeError, "key has dtype float16", lambda k, v: (k.astype(np.float16), v)),
+    "value-dtype": (TypeError, "value has dtype bfloat16", lambda k, v: (k, v.astype(ml_dtypes.bfloat16))),
+    "float64": (TypeError, "no implicit casting", lambda k, v: (k.astype(np.float64), v.astype(np.float64))),
+    "list": (TypeError, "numpy.ndarray", lambda k, v: (k.tolist(), v)),
+}
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "circular"])
+@pytest.mark.parametrize("case", list(BAD_APPENDS))
+def test_bad_append_leaves_cache_unchanged(rng, kind, case):
+    exc, message, spoil = BAD_APPENDS[case]
+    cache = make(kind, capacity=8, window=4 if kind == "circular" else None)
+    k, v = kv(rng, 3)
+    cache.append(k, v, lengths=[3, 1, 2])
+    snap = snapshot(cache)
+    with pytest.raises(exc, match=message):
+        cache.append(*spoil(*kv(rng, 2)))
+    assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "circular"])
+@pytest.mark.parametrize("lengths, exc, message", [
+    ([1, 2, 3], ValueError, r"lengths\[2\] = 3 is outside \[0, 2\]"),
+    ([1, -1, 0], ValueError, r"lengths\[1\] = -1"),
+    ([1, 2], ValueError, "shape"),
+    ([1.0, 2.0, 0.0], TypeError, "integer"),
+])
+def test_bad_lengths(rng, kind, lengths, exc, message):
+    cache = make(kind, capacity=8, window=4 if kind == "circular" else None)
+    cache.append(*kv(rng, 1))
+    snap = snapshot(cache)
+    with pytest.raises(exc, match=message):
+        cache.append(*kv(rng, 2), lengths=np.array(lengths))
+    assert_unchanged(cache, snap)
+
+
+def test_linear_overflow_names_the_row(rng):
+    cache = make("static", capacity=8)
+    cache.append(*kv(rng, 6), lengths=[6, 3, 5])
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"overflow at batch row 0: seq_lens\[0\] = 6 \+ 3 new > max_seq_len 8"):
+        cache.append(*kv(rng, 3))
+    assert_unchanged(cache, snap)
+    cache.append(*kv(rng, 2))  # fits every row: fine
+    assert cache.seq_lens.tolist() == [8, 5, 7]
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    (dict(mode="ring"), ValueError, "mode must be 'linear' or 'circular'"),
+    (dict(window=4), ValueError, "window applies to mode='circular' only"),
+    (dict(mode="circular", window=9), ValueError, "window 9 > max_seq_len 8"),
+    (dict(mode="circular", window=0), ValueError, "window must be >= 1"),
+    (dict(dtype=object), TypeError, "not supported"),
+], ids=["unknown-mode", "window-linear", "window-too-big", "window-zero", "object-dtype"])
+def test_bad_construction(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        StaticKVCache(B, H, 8, D, **kwargs)
+
+
+def test_dynamic_first_append_fixes_shapes(rng):
+    cache = DynamicKVCache()
+    with pytest.raises(TypeError, match="value has dtype float16"):
+        cache.append(rng.standard_normal((B, H, 2, D)).astype(np.float32),
+                     rng.standard_normal((B, H, 2, D)).astype(np.float16))
+    assert cache.get() == (None, None) and cache.seq_len == 0
+    cache.append(*kv(rng, 2))
+    assert cache.dtype == np.float32
+    with pytest.raises(ValueError, match="num_heads 2"):
+        cache.append(*kv(rng, 1, heads=3))
+    cache.reset()
+    cache.append(*kv(rng, 1, heads=3))  # reset forgets the shapes
+    assert cache.get()[0].shape == (B, 3, 1, D)
+
+
+# --- the ring --------------------------------------------------------------
+
+
+def test_circular_slots_hold_latest_positions(rng):
+    cache = StaticKVCache(1, 1, 5, 1, mode="circular", window=3)
+    assert cache.max_chunk == 3
+    for start in range(0, 12, 3):
+        key = np.arange(start, start + 3, dtype=np.float32).reshape(1, 1, 3, 1)
+        keys, _ = cache.append(key, key)
+        pos = cache.positions()
+        # every slot holds the latest position congruent to it
+        np.testing.assert_array_equal(keys[0, 0, :, 0], pos[0])
+    assert cache.seq_lens.tolist() == [12] and pos[0].tolist() == [10, 11, 7, 8, 9]
+
+
+def _chunks_vs_oracle(rng, cache, sizes, lengths_per_chunk, window, hq=4):
+    """Append chunks, attend each chunk's queries through attention_inputs(),
+    compare with onnx.reference over the same keys in absolute order."""
+    from numkv._attention import attention
+
+    batch, heads, d = cache.key_buffer.shape[0], cache.key_buffer.shape[1], cache.key_buffer.shape[3]
+    history_k = [np.zeros((heads, 0, d), np.float32) for _ in range(batch)]
+    history_v = [np.zeros((heads, 0, d), np.float32) for _ in range(batch)]
+    for new, lengths in zip(sizes, lengths_per_chunk):
+        start = cache.seq_lens
+        k, v = (rng.standard_normal((batch, heads, new, d)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((batch, hq, new, d)).astype(np.float32)
+        cache.append(k, v, lengths=lengths)
+        y = attention(q, **cache.attention_inputs())
+        gained = [new] * batch if lengths is None else lengths
+        for b in range(batch):
+            # The written chunk (padding included) extends the row's history.
+            full_k = np.concatenate([history_k[b], k[b]], axis=1)
+            full_v = np.concatenate([history_v[b], v[b]], axis=1)
+            expected = oracle.attention(q[b:b + 1], full_k[None], full_v[None], is_causal=True,
+                                        nonpad_kv_seqlen=np.array([start[b] + new]),
+                                        left_window_size=window - 1)[0]
+            real = gained[b]  # padding queries are meaningless
+            np.testing.assert_allclose(y[b, :, :real], expected[0, :, :real], rtol=2e-5, atol=2e-6)
+            history_k[b] = full_k[:, :start[b] + real]
+            history_v[b] = full_v[:, :start[b] + real]
+
+
+@pytest.mark.parametrize("capacity, window, sizes", [
+    (6, 6, [1] * 15),                       # full-ring window, one token at a time
+    (7, 4, [1] * 15),                       # window < ring, one token at a time
+    (7, 4, [4, 3, 4, 2, 4, 1, 4]),          # chunks of max_chunk that wrap
+    (6, 3, [2, 4, 4, 3, 1, 4, 4]),
+], ids=["C6-W6-single", "C7-W4-single", "C7-W4-chunks", "C6-W3-chunks"])
+def test_circular_attention_is_windowed_attention(rng, capacity, window, sizes):
+    cache = StaticKVCache(2, 2, capacity, 8, mode="circular", window=window)
+    _chunks_vs_oracle(rng, cache, sizes, [None] * len(sizes), window)
+
+
+def test_circular_ragged_padding(rng):
+    """Right-padded chunks (one row idle) in a ring: padding may land in slots,
+    the window rule still masks it."""
+    cache = StaticKVCache(3, 2, 7, 8, mode="circular", window=4)
+    sizes = [4, 4, 2, 1, 4, 3, 1]
+    lengths = [[4, 0, 2], [3, 0, 4], [2, 1, 0], [1, 1, 0], [4, 2, 4], [1, 3, 3], [1, 1, 1]]
+    _chunks_vs_oracle(rng, cache, sizes, [np.array(x) for x in lengths], window=4)
+
+
+def test_linear_ragged_attention_inputs(rng):
+    cache = StaticKVCache(3, 2, 16, 8)
+    sizes = [4, 1, 3, 1, 2]
+    lengths = [[4, 0, 2], [1, 1, 0], [3, 2, 3], [1, 1, 1], [0, 2, 1]]
+    _chunks_vs_oracle(rng, cache, sizes, [np.array(x) for x in lengths], window=10 ** 6)
+
+
+def test_circular_long_append_then_attend(rng):
+    """append() takes up to max_seq_len positions (it is a ring), but attending
+    a chunk longer than max_chunk would be wrong, so attention_inputs refuses."""
+    cache = StaticKVCache(1, 1, 8, 2, mode="circular", window=6)
+    k = rng.standard_normal((1, 1, 5, 2)).astype(np.float32)
+    cache.append(k, k)
+    with pytest.raises(ValueError, match="more than max_chunk = 3"):
+        cache.attention_inputs()
+    with pytest.raises(ValueError, match="max_seq_len 8"):
+        cache.append(*(rng.standard_normal((1, 1, 9, 2)).astype(np.float32),) * 2)
+    cache.append(k[:, :, :1], k[:, :, :1])
+    assert cache.attention_inputs()["attn_mask"].shape == (1, 1, 1, 6)
+
+
+def test_circular_padding_and_crop_guard(rng):
+    """Padding or a crop that would uncover overwritten slots is refused."""
+    cache = StaticKVCache(1, 1, 5, 2, mode="circular", window=4)  # max_chunk 2
+    k = rng.standard_normal((1, 1, 2, 2)).astype(np.float32)
+    for _ in range(4):
+        cache.append(k, k)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="overwrote keys its next queries need"):
+        cache.append(*(rng.standard_normal((1, 1, 4, 2)).astype(np.float32),) * 2, lengths=np.array([1]))
+    assert_unchanged(cache, snap)
+    cache.crop(-2)  # 6 >= 8 - 2: the window before position 6 is intact
+    with pytest.raises(ValueError, match="cannot|overwrote"):
+        cache.crop(5)
+    assert cache.seq_lens.tolist() == [6]

@@ -1,0 +1,276 @@
+"""CachedSelfAttention and the demo decoder: cached decoding == recomputation.
+
+* the layer, MHA and GQA, with each cache kind: a ragged batch (one row with
+  an empty prompt) prefilled right-padded, then decoded token by token, equals
+  running the layer on each row's whole sequence without a cache;
+* chunked prefill (several chunk sizes) equals one-shot prefill;
+* a circular cache equals sliding-window attention over absolute positions
+  (``left_window_size``), single-token and wrapping multi-token chunks;
+* one case against an independent float64 layer built on onnx.reference;
+* the decoder's greedy generation agrees across cache kinds, a bfloat16
+  cache drifts a little, and ``python -m numkv demo`` passes its own check
+  at a tiny size.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import oracle
+from numkv.cache import DynamicKVCache, StaticKVCache
+from numkv.layers import CachedSelfAttention, Decoder, rope
+
+E = 32
+TOL = dict(rtol=2e-5, atol=2e-5)
+HEADS = [pytest.param(4, 4, id="mha-Hq4-Hkv4"), pytest.param(4, 2, id="gqa-Hq4-Hkv2")]
+PROMPTS = np.array([5, 0, 3])  # a ragged batch with an empty row
+STEPS = 4
+
+
+def make_cache(layer, kind, batch, capacity=16, window=None):
+    if kind == "dynamic":
+        return DynamicKVCache()
+    mode = "circular" if kind == "circular" else "linear"
+    return StaticKVCache(batch, layer.num_kv_heads, capacity, layer.head_dim, mode=mode, window=window)
+
+
+def row_reference(layer, seq, window=None):
+    """The layer on one row's whole sequence, no cache: (n, E)."""
+    if seq.shape[0] == 0:
+        return np.zeros((0, E), np.float32)
+    return layer(seq[None], window=window)[0]
+
+
+def ragged_decode(layer, cache, prompt_x, lengths, steps_x, chunk=None):
+    """Prefill a right-padded batch (optionally in chunks), then decode; returns
+    per row the outputs of its real tokens, in order."""
+    batch, longest = prompt_x.shape[:2]
+    outs = [[] for _ in range(batch)]
+    chunk = chunk or max(longest, 1)
+    for c0 in range(0, longest, chunk):
+        part = np.clip(lengths - c0, 0, min(chunk, longest - c0))
+        y = layer(prompt_x[:, c0:c0 + chunk], cache, True, lengths=part)
+        for b in range(batch):
+            outs[b].append(y[b, :part[b]])
+    for t in range(steps_x.shape[1]):
+        y = layer(steps_x[:, t:t + 1], cache, True)
+        for b in range(batch):
+            outs[b].append(y[b])
+    return [np.concatenate(o) for o in outs]
+
+
+def row_sequences(prompt_x, lengths, steps_x):
+    return [np.concatenate([prompt_x[b, :lengths[b]], steps_x[b]]) for b in range(len(lengths))]
+
+
+@pytest.fixture
+def inputs(rng):
+    prompt_x = rng.standard_normal((len(PROMPTS), PROMPTS.max(), E)).astype(np.float32)
+    steps_x = rng.standard_normal((len(PROMPTS), STEPS, E)).astype(np.float32)
+    return prompt_x, steps_x
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "circular"])
+@pytest.mark.parametrize("hq, hkv", HEADS)
+def test_decode_equals_recompute(inputs, kind, hq, hkv):
+    """Token-by-token decoding of a ragged batch == the whole prefix without a
+    cache (a circular cache whose window covers everything included)."""
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, hq, hkv, seed=1, rope_base=10000.0)
+    cache = make_cache(layer, kind, len(PROMPTS), capacity=16, window=16 if kind == "circular" else None)
+    got = ragged_decode(layer, cache, prompt_x, PROMPTS, steps_x)
+    assert cache.seq_lens.tolist() == (PROMPTS + STEPS).tolist()
+    for b, seq in enumerate(row_sequences(prompt_x, PROMPTS, steps_x)):
+        np.testing.assert_allclose(got[b], row_reference(layer, seq), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_chunked_prefill_equals_one_shot(inputs, kind, chunk):
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, 4, 2, seed=2, rope_base=10000.0)
+    one_shot = ragged_decode(layer, make_cache(layer, kind, 3), prompt_x, PROMPTS, steps_x)
+    chunked = ragged_decode(layer, make_cache(layer, kind, 3), prompt_x, PROMPTS, steps_x, chunk=chunk)
+    for a, b in zip(chunked, one_shot):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("capacity, window, chunk", [
+    (4, 4, 1),      # ring == window: one token at a time (the layer splits)
+    (6, 3, None),   # prompts prefilled in chunks of max_chunk = 4, wrapping
+    (7, 3, 2),
+], ids=["C4-W4", "C6-W3-auto-chunks", "C7-W3-chunk2"])
+@pytest.mark.parametrize("hq, hkv", HEADS)
+def test_circular_equals_sliding_window(rng, capacity, window, chunk, hq, hkv):
+    lengths = np.array([9, 0, 6])
+    prompt_x = rng.standard_normal((3, 9, E)).astype(np.float32)
+    steps_x = rng.standard_normal((3, 6, E)).astype(np.float32)
+    layer = CachedSelfAttention(E, hq, hkv, seed=3, rope_base=10000.0)
+    cache = make_cache(layer, "circular", 3, capacity=capacity, window=window)
+    got = ragged_decode(layer, cache, prompt_x, lengths, steps_x, chunk=chunk)
+    for b, seq in enumerate(row_sequences(prompt_x, lengths, steps_x)):
+        np.testing.assert_allclose(got[b], row_reference(layer, seq, window=window), **TOL)
+
+
+def _layer64(layer, x, window=None):
+    """An independent float64 CachedSelfAttention over onnx.reference's op."""
+    x = x.astype(np.float64)
+    b, s, _ = x.shape
+
+    def split(w, heads):
+        return (x @ w.astype(np.float64)).reshape(b, s, heads, layer.head_dim).transpose(0, 2, 1, 3)
+
+    pos = np.broadcast_to(np.arange(s), (b, s))
+    q = rope(split(layer.w_q, layer.num_heads), pos)
+    k = rope(split(layer.w_k, layer.num_kv_heads), pos)
+    v = split(layer.w_v, layer.num_kv_heads)
+    extra = {} if window is None else {"left_window_size": window - 1}
+    y = oracle.attention(q, k, v, is_causal=True, **extra)[0]
+    return y.transpose(0, 2, 1, 3).reshape(b, s, -1) @ layer.w_o.astype(np.float64)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_layer_against_float64_oracle(rng, window):
+    layer = CachedSelfAttention(E, 4, 2, seed=4, rope_base=10000.0)
+    x = rng.standard_normal((2, 11, E)).astype(np.float32)
+    np.testing.assert_allclose(layer(x, window=window), _layer64(layer, x, window), rtol=1e-4, atol=1e-4)
+
+
+def test_low_precision_cache_is_close(inputs):
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, 4, 2, seed=5)
+    exact = ragged_decode(layer, make_cache(layer, "static", 3), prompt_x, PROMPTS, steps_x)
+    cache = StaticKVCache(3, 2, 16, layer.head_dim, dtype=ml_dtypes.bfloat16)
+    rough = ragged_decode(layer, cache, prompt_x, PROMPTS, steps_x)
+    assert cache.key_buffer.dtype == ml_dtypes.bfloat16
+    for a, b in zip(rough, exact):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05)
+
+
+def test_layer_errors(rng):
+    layer = CachedSelfAttention(E, 4, 2)
+    x = rng.standard_normal((2, 3, E)).astype(np.float32)
+    with pytest.raises(ValueError, match="use_cache=True needs a cache"):
+        layer(x, use_cache=True)
+    with pytest.raises(ValueError, match="shape"):
+        layer(x[..., :8])
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        CachedSelfAttention(E, 4, 3)
+    ring = make_cache(layer, "circular", 2, capacity=8, window=4)
+    with pytest.raises(ValueError, match="differs from the circular cache's window 4"):
+        layer(x, ring, True, window=3)
+    static = make_cache(layer, "static", 2, capacity=4)
+    layer(x, static, True)
+    with pytest.raises(ValueError, match="overflow"):
+        layer(x, static, True)
+    assert static.seq_lens.tolist() == [3, 3]
+    y = layer(x, None, False)  # no cache: plain causal attention
+    assert y.shape == x.shape and y.dtype == np.float32
+
+
+# --- the decoder -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return Decoder("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 256, n) for n in (7, 2, 5)]
+
+
+@pytest.fixture(scope="module")
+def recomputed(decoder, prompts):
+    return decoder.generate(prompts, 5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(cache="dynamic"), dict(cache="static"), dict(cache="static", prefill_chunk=3),
+    dict(cache="dynamic", prefill_chunk=2), dict(cache="circular", window=64),
+], ids=["dynamic", "static", "static-chunk3", "dynamic-chunk2", "circular-wide"])
+def test_generate_agrees(decoder, prompts, recomputed, kwargs):
+    tokens, logits = decoder.generate(prompts, 5, **kwargs)
+    np.testing.assert_array_equal(tokens, recomputed[0])
+    np.testing.assert_allclose(logits, recomputed[1], rtol=1e-4, atol=1e-3)
+
+
+def test_generate_circular_equals_windowed(decoder, prompts):
+    windowed = decoder.generate(prompts, 6, window=3)
+    tokens, logits = decoder.generate(prompts, 6, cache="circular", window=3, slots=5)
+    np.testing.assert_array_equal(tokens, windowed[0])
+    np.testing.assert_allclose(logits, windowed[1], rtol=1e-4, atol=1e-3)
+
+
+def test_generate_bfloat16_drift(decoder, prompts, recomputed):
+    _, logits = decoder.generate(prompts, 1, cache="static", dtype=ml_dtypes.bfloat16)
+    scale = np.abs(recomputed[1][:, 0]).max()
+    assert np.abs(logits[:, 0] - recomputed[1][:, 0]).max() < 0.05 * scale
+
+
+def test_generate_rejects_empty_prompt(decoder):
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.generate([np.array([1, 2]), np.array([], int)], 2)
+
+
+def test_demo_runs_and_agrees(capsys):
+    from numkv.__main__ import main
+
+    assert main(["demo", "--size", "tiny", "--batch", "2", "--prompt-len", "6",
+                 "--new-tokens", "3", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "all cached runs agree" in out and "MISMATCH" not in out
+    for label in ("(a)", "(b) DynamicKVCache", "(c)", "(d) StaticKVCache bfloat16", "(e) circular"):
+        assert label in out
+
+
+def test_demo_fails_on_disagreement(monkeypatch, capsys):
+    """A cache run whose logits drift must make the demo exit non-zero."""
+    from numkv.__main__ import main
+
+    real = Decoder.generate
+
+    def spoiled(self, prompts, new_tokens, **kwargs):
+        tokens, logits = real(self, prompts, new_tokens, **kwargs)
+        if kwargs.get("cache") == "dynamic":
+            logits = logits + 0.5
+        return tokens, logits
+
+    monkeypatch.setattr(Decoder, "generate", spoiled)
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--size", "tiny", "--batch", "2", "--prompt-len", "4", "--new-tokens", "2"])
+    assert exc.value.code == 1
+    assert "MISMATCH vs (a): logits differ" in capsys.readouterr().out
+
+
+def test_demo_tolerates_near_ties_only():
+    from numkv._cli_demo import _compare
+
+    ref_logits = np.zeros((1, 3, 4), np.float32)
+    ref_logits[0, :, 1] = 5.0
+    ref_logits[0, 1, 2] = 5.0 - 1e-6  # a near-tie at step 1
+    ref_tokens = np.array([[1, 1, 1]])
+    ok, note, _, _ = _compare(np.array([[1, 2, 0]]), ref_logits.copy(), ref_tokens, ref_logits)
+    assert ok and "near-ties at row 0 step 1" in note
+    ok, note, _, _ = _compare(np.array([[3, 1, 1]]), ref_logits.copy(), ref_tokens, ref_logits)
+    assert not ok and "tokens differ (row 0, step 0)" in note
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_linear_cache_with_window_equals_sliding_window(inputs, kind):
+    """A linear cache keeps everything; ``window`` limits what is attended."""
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, 4, 2, seed=6, rope_base=10000.0)
+    cache = make_cache(layer, kind, 3)
+    outs = [[] for _ in range(3)]
+    y = layer(prompt_x, cache, True, lengths=PROMPTS, window=3)
+    for b in range(3):
+        outs[b].append(y[b, :PROMPTS[b]])
+    for t in range(STEPS):
+        y = layer(steps_x[:, t:t + 1], cache, True, window=3)
+        for b in range(3):
+            outs[b].append(y[b])
+    for b, seq in enumerate(row_sequences(prompt_x, PROMPTS, steps_x)):
+        np.testing.assert_allclose(np.concatenate(outs[b]), row_reference(layer, seq, window=3), **TOL)
