@@ -24,6 +24,7 @@ BLOCK_Q = 16
 BLOCK_K = 64
 TARGET_ITEMS = 64
 MIN_CHUNK = 512
+SINGLE_THREAD_MACS = 1 << 20
 
 _kernel = None
 
@@ -31,9 +32,9 @@ _kernel = None
 def _attention_kernel():
     global _kernel
     if _kernel is None:
-        from ._kernels.attention import attention_kernel
+        from ._kernels.attention import run_attention
 
-        _kernel = attention_kernel
+        _kernel = run_attention
     return _kernel
 
 
@@ -146,8 +147,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None):
         [*operands["q"][2], *operands["past_k"][2], *operands["k"][2],
          *operands["past_v"][2], *operands["v"][2], *m_strides, *y_strides], np.int64)
     floats = np.array([call.scale, call.softcap], call.acc_dtype)  # scalars typed like the scores
+    # Work below this many multiply-adds runs on one thread (see run_attention).
+    single_thread = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
     _attention_kernel()(
-        operands["q"][0], operands["q"][3],
+        single_thread, operands["q"][0], operands["q"][3],
         operands["past_k"][0], operands["k"][0], operands["k"][3],
         operands["past_v"][0], operands["v"][0], operands["v"][3],
         m_flat, y_flat, ints, strides, floats, call.offset, call.valid,
