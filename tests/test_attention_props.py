@@ -1,0 +1,282 @@
+"""Metamorphic properties of ``numkv.attention`` (hypothesis).
+
+Each property compares numkv with numkv: two ways of asking the same question
+must give the same Y — bit for bit where the arithmetic is the same, within
+float32 rounding where only the order of the additions changes (tile sizes,
+key chunks).  float32 Q/K/V and masks only, tiny shapes: one compiled
+specialisation serves the whole file.
+"""
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import numkv
+from numkv import _attention
+from numkv._reference import attention_reference
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+# --------------------------------------------------------------------------
+# problems
+
+
+@st.composite
+def problems(draw, *, past=True, nonpad=True, masks=True):
+    """Keyword arguments for ``numkv.attention`` (4-D float32), covering GQA,
+    past keys, external-cache lengths, causal, windows, softcap and bool /
+    additive masks of every rank (with -inf entries, so whole tiles and whole
+    rows get masked)."""
+    b = draw(st.integers(1, 2))
+    hkv = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 3]))
+    hq = hkv * group
+    sq = draw(st.integers(1, 9))
+    skv = draw(st.integers(1, 12))
+    p = draw(st.integers(0, 5)) if past else 0
+    d = draw(st.integers(1, 8))
+    dv = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, np.float32)
+
+    args = dict(Q=normal(b, hq, sq, d), K=normal(b, hkv, skv, d), V=normal(b, hkv, skv, dv),
+                is_causal=draw(st.booleans()),
+                softcap=draw(st.sampled_from([0.0, 0.0, 1.5])),
+                scale=draw(st.sampled_from([None, 0.7])),
+                left_window_size=draw(st.sampled_from([-1, -1, 0, 2, 5])),
+                right_window_size=draw(st.sampled_from([-1, -1, 0, 3])))
+    if p:
+        args.update(past_key=normal(b, hkv, p, d), past_value=normal(b, hkv, p, dv))
+    elif nonpad and draw(st.booleans()):
+        args["nonpad_kv_seqlen"] = rng.integers(0, skv + 1, b)
+    total = p + skv
+    if masks:
+        kind = draw(st.sampled_from([None, "bool", "float"]))
+        if kind is not None:
+            args["attn_mask"] = draw(mask_arrays(kind, (b, hq, sq, total), seed))
+    return args
+
+
+@st.composite
+def mask_arrays(draw, kind, target, seed, rank=None):
+    """A bool or additive float32 mask broadcasting to ``target`` (last
+    dimension possibly shorter than ``total_sequence_length``)."""
+    rng = np.random.default_rng(seed + 1)
+    rank = draw(st.integers(1, 4)) if rank is None else rank
+    shape = [n if draw(st.booleans()) else 1 for n in target[4 - rank:3]]
+    shape.append(draw(st.integers(max(1, target[3] - 2), target[3])))
+    if kind == "bool":
+        return rng.random(shape) < 0.75
+    mask = rng.standard_normal(shape, np.float32)
+    mask[rng.random(shape) < 0.2] = -np.inf
+    return mask
+
+
+def _bits(y):
+    return np.ascontiguousarray(y).tobytes()
+
+
+def assert_same_bits(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if _bits(got) != _bits(want):
+        diff = np.abs(got.astype(np.float64) - want)
+        raise AssertionError(f"not bit-identical: max |diff| {np.nanmax(diff):.3g}, "
+                             f"{int((got != want).sum())} of {got.size} elements differ")
+
+
+def assert_close_f32(got, want, args):
+    """Equal up to float32 rounding of a reordered sum.
+
+    Y = sum_j p_j v_j / sum_j p_j.  Changing the tile size or the key chunks
+    only changes where the online softmax rescales (by exp(m_old - m_new),
+    one rounding each) and the order of the additions, and adds the chunk
+    merges; each element goes through at most ~2 (T + tiles + chunks) <= 4 T
+    float32 roundings of terms bounded by max|V| (p_j / sum p <= 1).  So the
+    error is at most ~4 T eps32 max|V| (T = total_sequence_length <= 17 here,
+    i.e. < 1e-5 max|V|): that is the tolerance, a few ulps of Y's scale, far
+    below what a dropped, doubled or misplaced key would move Y by.  (Measured
+    on this file's examples: the largest difference is ~3% of it, ~2 ulps.)
+    """
+    total = args["K"].shape[2] + (args["past_key"].shape[2] if "past_key" in args else 0)
+    scale = max(1.0, float(np.abs(args["V"]).max()),
+                float(np.abs(args["past_value"]).max()) if "past_value" in args else 0.0)
+    atol = 4 * (total + 2) * EPS32 * scale
+    assert np.isfinite(got).all() and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+def _prepare(args):
+    args = dict(args)
+    return _attention.prepare(args.pop("Q"), args.pop("K"), args.pop("V"), **args)
+
+
+tiles = st.tuples(st.integers(1, 10), st.integers(1, 10), st.integers(1, 20))
+
+
+# --------------------------------------------------------------------------
+# tiles, chunks, threads
+
+
+@given(problems(), tiles)
+def test_tile_sizes_and_kv_chunk_do_not_change_y(args, tile):
+    block_q, block_k, kv_chunk = tile
+    call = _prepare(args)
+    want = _attention.run(call)
+    got = _attention.run(call, block_q=block_q, block_k=block_k, kv_chunk=kv_chunk)
+    assert_close_f32(got, want, args)
+
+
+@given(problems(), tiles)
+def test_kernel_matches_reference_path(args, tile):
+    # numkv's plain NumPy path (the one NUMKV_REFERENCE=1 forces) and the kernel
+    # on any tiling: same float32 arithmetic up to the order of the additions.
+    call = _prepare(args)
+    block_q, block_k, kv_chunk = tile
+    got = _attention.run(call, block_q=block_q, block_k=block_k, kv_chunk=kv_chunk)
+    want = call.finish(attention_reference(call)[0])
+    assert_close_f32(got, want, args)
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has fewer than 2 threads (NUMBA_NUM_THREADS)")
+    return 2
+
+
+@given(args=problems(), tile=st.one_of(st.none(), tiles))
+def test_thread_count_does_not_change_y(two_threads, args, tile):
+    call = _prepare(args)
+    kwargs = {} if tile is None else dict(zip(("block_q", "block_k", "kv_chunk"), tile))
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _attention.run(call, **kwargs)
+        numba.set_num_threads(two_threads)
+        two = _attention.run(call, **kwargs)
+    finally:
+        numba.set_num_threads(before)
+    assert_same_bits(two, one)
+
+
+def test_thread_count_does_not_change_y_split_decode(two_threads):
+    # Decode shape with the default split of the key range into chunks (few
+    # work items, a long cache): the partials are merged in chunk order.
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 1, 16), np.float32)
+    k = rng.standard_normal((1, 1, 3000, 16), np.float32)
+    v = rng.standard_normal((1, 1, 3000, 16), np.float32)
+    call = _attention.prepare(q, k, v, nonpad_kv_seqlen=np.array([2900]), is_causal=True)
+    assert _attention._kv_chunk(1, call.total, _attention.BLOCK_K) < call.total  # it splits
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _attention.run(call)
+        numba.set_num_threads(two_threads)
+        two = _attention.run(call)
+    finally:
+        numba.set_num_threads(before)
+    assert_same_bits(two, one)
+    assert_close_f32(one, _attention.run(call, kv_chunk=call.total), {"K": k, "V": v})
+
+
+# --------------------------------------------------------------------------
+# equivalent inputs
+
+
+@given(st.data(), problems(masks=False), st.sampled_from(["bool", "float"]),
+       st.integers(1, 3))
+def test_low_rank_mask_equals_its_rank4_broadcast(data, args, kind, rank):
+    b, hq, sq, _ = args["Q"].shape
+    total = args["K"].shape[2] + (args["past_key"].shape[2] if "past_key" in args else 0)
+    mask = data.draw(mask_arrays(kind, (b, hq, sq, total), 7, rank=rank))
+    full = np.broadcast_to(mask, (b, hq, sq, mask.shape[-1])).copy()
+    assert_same_bits(numkv.attention(**args, attn_mask=mask),
+                     numkv.attention(**args, attn_mask=full))
+
+
+@st.composite
+def layouts(draw, arr):
+    """A strided view holding values like ``arr``'s: a slice of a larger
+    buffer (a cache), a ``(b, s, h, d)`` transpose, reversed axes, Fortran
+    order, or a zero-stride broadcast of the first batch row."""
+    kind = draw(st.sampled_from(["slice", "transpose", "reversed", "fortran", "broadcast"]))
+    if kind == "broadcast":
+        return np.broadcast_to(arr[:1], arr.shape)  # read-only, batch stride 0
+    if kind == "slice":
+        lead = [draw(st.integers(0, 2)) for _ in range(arr.ndim)]
+        tail = [draw(st.integers(0, 3)) for _ in range(arr.ndim)]
+        big = np.zeros([n + lo + hi for n, lo, hi in zip(arr.shape, lead, tail)], arr.dtype)
+        view = big[tuple(slice(lo, lo + n) for lo, n in zip(lead, arr.shape))]
+    elif kind == "transpose" and arr.ndim == 4:
+        view = np.empty((arr.shape[0], arr.shape[2], arr.shape[1], arr.shape[3]),
+                        arr.dtype).transpose(0, 2, 1, 3)
+    elif kind == "reversed":
+        view = np.flip(np.empty_like(arr), tuple(i for i in range(arr.ndim) if draw(st.booleans())))
+    else:
+        view = np.asfortranarray(np.empty_like(arr))
+    view[...] = arr
+    return view
+
+
+@given(st.data(), problems())
+def test_strided_views_equal_contiguous_copies(data, args):
+    views = {name: data.draw(layouts(x), label=name) if isinstance(x, np.ndarray) else x
+             for name, x in args.items()}
+    copies = {name: np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x
+              for name, x in views.items()}
+    assert_same_bits(numkv.attention(**views), numkv.attention(**copies))
+
+
+@given(problems(masks=False))
+def test_3d_inputs_equal_4d(args):
+    q, k, v = args.pop("Q"), args.pop("K"), args.pop("V")
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+
+    def three_d(x):
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(x.shape[0], x.shape[2], -1)
+
+    y4 = numkv.attention(q, k, v, **args)
+    y3 = numkv.attention(three_d(q), three_d(k), three_d(v), q_num_heads=hq,
+                         kv_num_heads=hkv, **args)
+    assert y3.shape == (b, sq, hq * v.shape[3])
+    assert_same_bits(y3, three_d(y4))
+
+
+@given(problems())
+def test_gqa_equals_mha_with_repeated_kv(args):
+    group = args["Q"].shape[1] // args["K"].shape[1]
+    repeated = dict(args)
+    for name in ("K", "V", "past_key", "past_value"):
+        if name in args:
+            repeated[name] = np.repeat(args[name], group, axis=1)
+    # Bit-identical: a kv head is an index map, each query row does the same
+    # arithmetic whether its K/V tile is shared with other heads or not.
+    assert_same_bits(numkv.attention(**args), numkv.attention(**repeated))
+
+
+@given(problems(past=False, nonpad=False, masks=False), st.data())
+def test_causal_nonpad_equals_explicit_mask(args, data):
+    b, _, sq, _ = args["Q"].shape
+    skv = args["K"].shape[2]
+    nonpad = np.array(data.draw(st.lists(st.integers(0, skv), min_size=b, max_size=b)))
+    args["is_causal"] = True
+    args["left_window_size"] = args["right_window_size"] = -1
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    n = nonpad[:, None, None, None]
+    # bottom-right causal for an external cache: offset nonpad[b] - Sq
+    mask = (j < n) & (j <= i + n - sq)          # (B, 1, Sq, Skv)
+    got = numkv.attention(**args, nonpad_kv_seqlen=nonpad)
+    explicit = dict(args, is_causal=False)
+    want = numkv.attention(**explicit, attn_mask=mask)
+    assert_same_bits(got, want)
+    empty = ~mask.any(axis=-1)                  # queries that see no key: zero rows
+    assert (got[np.broadcast_to(empty, got.shape[:3])] == 0).all()

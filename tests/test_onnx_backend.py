@@ -1,0 +1,264 @@
+"""ONNX's own backend node test cases for Attention and TensorScatter, run
+through ``numkv.onnx``; plus the wiring of the ``OpRun`` classes.
+
+The cases are generated the way onnx generates them (the ``export_*``
+functions of ``onnx.backend.test.case.node.attention`` / ``.tensorscatter``,
+``np.random.seed(0)`` before each, as ``onnx.backend.test.case.base`` does),
+so every case onnx 1.23.2 ships is run, with onnx's own inputs, expected
+outputs and models.  Only the function-expanded (``*_expanded``) variants are
+left out: they test onnx's function bodies, not the op.
+
+Outputs are compared as onnx's backend runner does
+(``onnx.backend.test.runner.Runner.assert_similar_outputs``: same shape and
+dtype, ``assert_allclose`` with the case's rtol=1e-3 / atol=1e-7, bfloat16
+widened with rtol >= 2**-6), except ``present_key`` / ``present_value`` and
+TensorScatter's output, which are concatenations / copies and must be
+bit-exact.
+"""
+
+import importlib
+import inspect
+import subprocess
+import sys
+from copy import deepcopy
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+import numkv.onnx  # noqa: E402
+from onnx import helper  # noqa: E402
+from onnx.backend.test.case import node as node_cases  # noqa: E402
+from onnx.backend.test.case.base import Base  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+
+# --------------------------------------------------------------------------
+# collecting onnx's cases
+
+
+def _collect(module_name):
+    """``(name, model, inputs, outputs, rtol, atol)`` of every case the
+    ``export_*`` functions of ``onnx.backend.test.case.node.<module_name>`` emit.
+
+    ``collect_testcases(op_type)`` would import (and run) every op's exports,
+    ~15 s; calling this module's exports directly, with ``expect`` swapped for
+    a recorder, takes a fraction of that and does not depend on the global
+    state that ``collect_testcases`` leaves behind.  The models are built by
+    onnx's own helpers, as ``expect`` builds them.
+    """
+    module = importlib.import_module(f"onnx.backend.test.case.node.{module_name}")
+    cases = []
+
+    def record(node_op, inputs, outputs, name, **kwargs):
+        node = deepcopy(node_op)
+        present_inputs = [x for x in node.input if x]
+        present_outputs = [x for x in node.output if x]
+        in_types = kwargs.pop("input_type_protos", [None] * len(inputs))
+        out_types = kwargs.pop("output_type_protos", [None] * len(outputs))
+        graph = helper.make_graph(
+            [node], name,
+            [node_cases._extract_value_info(a, n, t)
+             for a, n, t in zip(inputs, present_inputs, in_types)],
+            [node_cases._extract_value_info(a, n, t)
+             for a, n, t in zip(outputs, present_outputs, out_types)])
+        kwargs["producer_name"] = "backend-test"
+        kwargs.setdefault("opset_imports", [helper.make_operatorsetid(
+            node.domain, onnx.defs.get_schema(node.op_type, domain=node.domain).since_version)])
+        model = node_cases._make_test_model_gen_version(graph, **kwargs)
+        # onnx's TestCase: rtol=1e-3, atol=1e-7 for every node case.
+        cases.append((name, model, list(inputs), list(outputs), 1e-3, 1e-7))
+
+    saved_expect, saved_state = module.expect, np.random.get_state()
+    module.expect = record
+    try:
+        for cls in vars(module).values():
+            if inspect.isclass(cls) and issubclass(cls, Base) and cls is not Base:
+                for attr, value in vars(cls).items():
+                    if attr.startswith("export") and isinstance(value, staticmethod):
+                        np.random.seed(0)  # as onnx.backend.test.case.base._Exporter
+                        getattr(cls, attr)()
+    finally:
+        module.expect = saved_expect
+        np.random.set_state(saved_state)
+    return cases
+
+
+ATTENTION_CASES = _collect("attention")
+SCATTER_CASES = _collect("tensorscatter")
+
+
+def _case_id(case):
+    return case[0].removeprefix("test_")
+
+
+def test_collected_every_case():
+    # onnx 1.23.2 ships 93 Attention and 3 TensorScatter node cases; a newer
+    # onnx may add some, never fewer (the collector must not silently miss).
+    names = [c[0] for c in ATTENTION_CASES]
+    assert len(names) == len(set(names)) >= 93
+    assert len(SCATTER_CASES) >= 3
+    assert all(c[1].graph.node[0].op_type == "Attention" for c in ATTENTION_CASES)
+    versions = {c[1].opset_import[0].version for c in ATTENTION_CASES}
+    assert {23, 24, 25} <= versions
+
+
+def _run(model, inputs):
+    feeds = {vi.name: x for vi, x in zip(model.graph.input, inputs)}
+    return numkv.onnx.evaluator(model).run(None, feeds)
+
+
+def _assert_similar(got, want, rtol, atol, what):
+    """onnx.backend.test.runner.Runner.assert_similar_outputs, for one output."""
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    if got.dtype.name == "bfloat16":
+        rtol = max(rtol, 2**-6)  # two bfloat16 ulps, as onnx's runner
+        got, want = got.astype(np.float32), want.astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _assert_same_bits(got, want, what):
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{what}: {got.dtype}{got.shape} != {want.dtype}{want.shape}")
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), what
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)
+def test_attention_backend_case(case):
+    name, model, inputs, expected, rtol, atol = case
+    got = _run(model, inputs)
+    assert len(got) == len(expected)
+    node = model.graph.node[0]
+    for out_vi, g, e in zip(model.graph.output, got, expected):
+        position = list(node.output).index(out_vi.name)
+        what = f"{name}: output {position} ({out_vi.name})"
+        if position in (1, 2):  # present_key / present_value: a concatenation
+            _assert_same_bits(g, e, what)
+        else:
+            _assert_similar(g, e, rtol, atol, what)
+
+
+@pytest.mark.parametrize("case", SCATTER_CASES, ids=_case_id)
+def test_tensor_scatter_backend_case(case):
+    name, model, inputs, expected, _, _ = case
+    got = _run(model, inputs)
+    assert len(got) == len(expected) == 1
+    _assert_same_bits(got[0], expected[0], name)
+
+
+# --------------------------------------------------------------------------
+# the OpRun classes
+
+
+def _attention_model(outputs, opset=24, **attrs):
+    f = onnx.TensorProto.FLOAT
+    node = helper.make_node("Attention", ["Q", "K", "V", "attn_mask"], outputs, **attrs)
+    graph = helper.make_graph(
+        [node], "attention",
+        [helper.make_tensor_value_info("Q", f, [2, 4, 3, 8]),
+         helper.make_tensor_value_info("K", f, [2, 2, 5, 8]),
+         helper.make_tensor_value_info("V", f, [2, 2, 5, 8]),
+         helper.make_tensor_value_info("attn_mask", onnx.TensorProto.BOOL, [3, 5])],
+        [helper.make_tensor_value_info(o, f, None) for o in outputs if o])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _attention_feeds(rng):
+    return {"Q": rng.standard_normal((2, 4, 3, 8), np.float32),
+            "K": rng.standard_normal((2, 2, 5, 8), np.float32),
+            "V": rng.standard_normal((2, 2, 5, 8), np.float32),
+            "attn_mask": rng.random((3, 5)) < 0.7}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts calls of numkv's attention kernel entry, of the score
+    (reference) path and of the scatter wrapper, as numkv.onnx makes them."""
+    calls = {"run": 0, "scores": 0, "scatter": 0}
+
+    def counting(key, func):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return func(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(numkv.onnx, "run", counting("run", numkv.onnx.run))
+    monkeypatch.setattr(numkv.onnx, "attention_reference",
+                        counting("scores", numkv.onnx.attention_reference))
+    monkeypatch.setattr(numkv.onnx, "tensor_scatter",
+                        counting("scatter", numkv.onnx.tensor_scatter))
+    return calls
+
+
+@pytest.mark.parametrize("opset", [23, 24, 25])
+def test_reference_evaluator_uses_numkv(counted, rng, opset):
+    model = _attention_model(["Y", "present_key", "present_value"], opset=opset, is_causal=1)
+    feeds = _attention_feeds(rng)
+    sess = ReferenceEvaluator(model, new_ops=[numkv.onnx.Attention, numkv.onnx.TensorScatter])
+    got = sess.run(None, feeds)
+    assert counted == {"run": 1, "scores": 0, "scatter": 0}
+    want = ReferenceEvaluator(model).run(None, feeds)  # onnx's own Attention
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[1:], want[1:]):
+        _assert_same_bits(g, w, "present")
+
+
+def test_reference_evaluator_uses_numkv_tensor_scatter(counted, rng):
+    f = onnx.TensorProto.FLOAT
+    node = helper.make_node("TensorScatter", ["past", "update", "idx"], ["present"],
+                            mode="circular")
+    graph = helper.make_graph(
+        [node], "scatter",
+        [helper.make_tensor_value_info("past", f, [2, 3, 6, 4]),
+         helper.make_tensor_value_info("update", f, [2, 3, 2, 4]),
+         helper.make_tensor_value_info("idx", onnx.TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("present", f, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    feeds = {"past": rng.standard_normal((2, 3, 6, 4), np.float32),
+             "update": rng.standard_normal((2, 3, 2, 4), np.float32),
+             "idx": np.array([5, 1], np.int64)}
+    (got,) = numkv.onnx.evaluator(model).run(None, feeds)
+    assert counted["scatter"] == 1
+    (want,) = ReferenceEvaluator(model).run(None, feeds)
+    _assert_same_bits(got, want, "present")
+
+
+@pytest.mark.parametrize("outputs", [
+    ["Y"],
+    ["Y", "present_key", "present_value"],
+    ["Y", "", "", ""],
+    ["Y", "", "", "qk"],
+    ["Y", "present_key", "present_value", "qk"],
+], ids=lambda o: "-".join(x or "_" for x in o))
+def test_scores_only_when_requested(counted, rng, outputs):
+    model = _attention_model(outputs, qk_matmul_output_mode=3)
+    feeds = _attention_feeds(rng)
+    got = numkv.onnx.evaluator(model).run(None, feeds)
+    wanted = len(outputs) == 4 and outputs[3] != ""
+    assert counted["run"] == 1
+    assert counted["scores"] == int(wanted)
+    assert len(got) == len([o for o in outputs if o])
+    want = ReferenceEvaluator(model).run(None, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    if wanted:  # mode 3: probabilities, rows sum to one (no row is fully masked here)
+        assert got[-1].shape == (2, 4, 3, 5)
+        np.testing.assert_allclose(got[-1].sum(-1), 1, rtol=1e-5)
+
+
+def test_function_always_returns_four():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4), np.float32) for _ in range(3))
+    out = numkv.onnx.attention(q, k, v)
+    assert len(out) == 4 and all(isinstance(x, np.ndarray) for x in out)
+    assert out[3].shape == (1, 2, 3, 3)
+
+
+def test_import_numkv_imports_neither_onnx_nor_numba():
+    code = ("import sys, numkv; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('onnx', 'numba')); "
+            "assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
