@@ -47,7 +47,9 @@ _UNSIGNED = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
 
 
 def is_scatter_dtype(dtype):
-    return dtype in SCATTER_DTYPES or dtype.kind in STRING_KINDS
+    # Byte order does not matter to a bit copy: '>f4' is as welcome as '<f4'.
+    return dtype in SCATTER_DTYPES or dtype.kind in STRING_KINDS or (
+        not dtype.isnative and dtype.newbyteorder("=") in SCATTER_DTYPES)
 
 
 def unit_size(arrays):
@@ -101,6 +103,13 @@ def flat_view(arr, dtype):
     strides = [s // dtype.itemsize for s in arr.strides]
     if arr.size == 0:  # nothing is read; keep the type numba sees
         return np.zeros(1, dtype), 0, strides
+    if min(strides) > 0:
+        # A permutation of a C-contiguous block (3-D inputs seen as 4-D, K/V
+        # transposes): un-permute, and ravel is a view.  ~4x cheaper than
+        # building the view from the address, and calls are small in decode.
+        dense = arr.transpose(sorted(range(arr.ndim), key=strides.__getitem__, reverse=True))
+        if dense.flags.c_contiguous:
+            return dense.ravel().view(dtype), 0, strides
     lo = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s > 0)
     interface = {

@@ -127,8 +127,12 @@ def _write_positions(write_indices, batch, seq_len, max_seq, mode):
     if mode == "circular":
         return starts % max_seq if max_seq else starts
     # Small batches: Python's min/max over a list beat two numpy reductions.
-    values = starts.tolist() if batch <= 64 else starts
-    if batch and (min(values) < 0 or max(values) > max_seq - seq_len):
+    if batch <= 64:
+        values = starts.tolist()
+        low, high = (min(values), max(values)) if batch else (0, 0)
+    else:
+        low, high = int(starts.min()), int(starts.max())
+    if low < 0 or high > max_seq - seq_len:
         for b, w in enumerate(starts.tolist()):
             if w < 0:
                 raise ValueError(f"write_indices[{b}] = {w} is negative (linear mode)")

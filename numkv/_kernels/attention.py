@@ -305,10 +305,10 @@ attention_kernel = jit(parallel=True)(_attention_body)
 def run_attention(single_thread, *args):
     """Call the kernel; ``single_thread`` runs its parallel loop on one thread.
 
-    Small calls (a decode step of a small model) cost less than a parallel
-    launch, which on a busy machine cost 23 ms against 0.5 ms on one thread;
-    limiting the thread count reuses the one compiled kernel (a serial twin
-    would double the compile time).
+    The tiniest calls cost less than a parallel launch, which on an
+    oversubscribed machine (OpenMP threads spinning) cost 23 ms against 0.5 ms
+    on one thread; limiting the thread count reuses the one compiled kernel
+    (a serial twin would double the compile time).
     """
     if not single_thread:
         attention_kernel(*args)
