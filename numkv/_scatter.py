@@ -17,6 +17,7 @@ MODES = ("linear", "circular")
 # Below this many bytes moved the serial kernel wins: the parallel launch
 # costs more than the copy itself (see README, "Benchmarks").
 PARALLEL_MIN_BYTES = 1 << 18
+CHUNK_BYTES = 1 << 16
 
 _kernels = None
 
@@ -60,8 +61,11 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     TypeError, ValueError
         On bad input, before anything is written.
     """
-    past_cache = as_array(past_cache, "past_cache")
-    update = as_array(update, "update")
+    # (Type checks inlined: a 1-token append is pure call overhead.)
+    if type(past_cache) is not np.ndarray:
+        past_cache = as_array(past_cache, "past_cache")
+    if type(update) is not np.ndarray:
+        update = as_array(update, "update")
     max_seq, seq_len, ax = _check_shapes(past_cache, update, axis)
     if mode not in MODES:
         raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
@@ -101,7 +105,7 @@ def _check_shapes(past_cache, update, axis):
         )
     if not is_scatter_dtype(past_cache.dtype):
         raise TypeError(f"past_cache dtype {past_cache.dtype} is not supported by TensorScatter")
-    ax = normalize_axis(axis, ndim)
+    ax = axis + ndim if type(axis) is int and -ndim <= axis < 0 else normalize_axis(axis, ndim)
     if ax == 0:
         raise ValueError(f"axis {axis} is the batch axis; the sequence axis must be 1..{ndim - 1} (or negative)")
     shape, update_shape = past_cache.shape, update.shape
@@ -179,9 +183,13 @@ def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, *strides):
     n_rows, n_cols = rows[0].size, cols[0].size
     seq_len, max_seq = update_shape[axis], shape[axis]
     contiguous = all(np.array_equal(c, np.arange(n_cols)) for c in cols)
+    # Positions per work item: ~64 KiB each, so a long copy spreads over the
+    # threads while a 1-token append stays one item per row.
+    chunk = max(1, CHUNK_BYTES // (n_cols * unit))
     header = [n_rows, n_cols, seq_len, max_seq, n_rows // shape[0],
-              int(not in_place), int(contiguous), *seq]
-    plan = np.concatenate([np.array(header, np.int64), *rows, *cols])
+              int(not in_place), int(contiguous), *seq, chunk]
+    batch_of = np.arange(n_rows, dtype=np.int64) // (n_rows // shape[0])
+    plan = np.concatenate([np.array(header, np.int64), *rows, batch_of, *cols])
     plan.flags.writeable = False
     n_pos = seq_len if in_place else max_seq
     return plan, n_rows * n_pos * n_cols * unit
