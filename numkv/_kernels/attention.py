@@ -255,12 +255,29 @@ def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
     max ``m``, sum ``l`` and accumulator (the flash-attention recurrence)."""
     n = jh - jl
     sr = s[:n]
-    for j in range(n):
+    d_k = qrow.shape[0]
+    # Scores four keys at a time: each q load feeds four vectorised dot
+    # products (one q load per four FMAs instead of one per FMA).
+    j = 0
+    while j + 4 <= n:
         jj = jl + j
-        dot = qrow[0] * kt[jj, 0]  # typed like the scores (a 0.0 literal is float64)
-        for d in range(1, qrow.shape[0]):  # reassociated: a vectorised reduction
+        q0 = qrow[0]  # typed like the scores (a 0.0 literal is float64)
+        a0, a1, a2, a3 = q0 * kt[jj, 0], q0 * kt[jj + 1, 0], q0 * kt[jj + 2, 0], q0 * kt[jj + 3, 0]
+        for d in range(1, d_k):  # reassociated: vectorised reductions
+            qd = qrow[d]
+            a0 += qd * kt[jj, d]
+            a1 += qd * kt[jj + 1, d]
+            a2 += qd * kt[jj + 2, d]
+            a3 += qd * kt[jj + 3, d]
+        sr[j], sr[j + 1], sr[j + 2], sr[j + 3] = a0, a1, a2, a3
+        j += 4
+    while j < n:
+        jj = jl + j
+        dot = qrow[0] * kt[jj, 0]
+        for d in range(1, d_k):
             dot += qrow[d] * kt[jj, d]
         sr[j] = dot
+        j += 1
     m_new = m[r]
     for j in range(n):
         x = sr[j]
@@ -276,17 +293,33 @@ def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
     # Rescale what was accumulated under the old max: e^(m_old - m_new) (0 at start).
     alpha = math.exp(m[r] - m_new)
     total = l[r] * alpha
-    for d in range(acc_row.shape[0]):
+    d_v = acc_row.shape[0]
+    for d in range(d_v):
         acc_row[d] *= alpha
     for j in range(n):
         x = sr[j]
-        if x == -np.inf:  # skip before any exp: a masked key adds exactly nothing
-            continue
-        p = math.exp(x - m_new)
+        # A masked key (-inf) gets weight 0 without an exp, and is skipped below.
+        p = 0.0 if x == -np.inf else math.exp(x - m_new)
         total += p
+        sr[j] = p
+    # acc += p_j v_j, four keys per pass over acc (one load/store of acc per
+    # four FMAs); a key of weight 0 adds exactly nothing, so it is skipped
+    # (its V may be anything, inf included).
+    j = 0
+    while j < n:
         jj = jl + j
-        for d in range(acc_row.shape[0]):
-            acc_row[d] += p * vt[jj, d]
+        if j + 4 <= n and sr[j] != 0 and sr[j + 1] != 0 and sr[j + 2] != 0 and sr[j + 3] != 0:
+            p0, p1, p2, p3 = sr[j], sr[j + 1], sr[j + 2], sr[j + 3]
+            for d in range(d_v):
+                acc_row[d] += (p0 * vt[jj, d] + p1 * vt[jj + 1, d]
+                               + p2 * vt[jj + 2, d] + p3 * vt[jj + 3, d])
+            j += 4
+        else:
+            p = sr[j]
+            if p != 0:
+                for d in range(d_v):
+                    acc_row[d] += p * vt[jj, d]
+            j += 1
     l[r] = total
     m[r] = m_new
 

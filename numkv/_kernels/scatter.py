@@ -28,6 +28,7 @@ Within an item, positions that come from one source without wrapping are
 copied as one run.
 """
 
+import numpy as np
 from numba import prange
 
 from .._config import jit
@@ -54,11 +55,14 @@ def _scatter_body(dst, upd, src, plan, write_at):
     for item in prange(n_rows * n_chunks):
         # Integer division costs ~30 ns an item, a 1-token append's whole
         # copy: skip it when rows are not chunked, and look the batch row up.
+        # int64: the prange index is unsigned, and unified with the int64
+        # branch below it would become float64.
+        k = np.int64(item)
         if n_chunks == 1:
-            p, pos = item, 0
+            p, pos = k, 0
         else:
-            p = item // n_chunks
-            pos = (item - p * n_chunks) * chunk
+            p = k // n_chunks
+            pos = (k - p * n_chunks) * chunk
         stop = min(n_pos, pos + chunk)
         start = write_at[batch_of[p]]
         while pos < stop:
