@@ -30,30 +30,16 @@ def info(args=None):
 
 
 def main(argv=None):
+    from numkv import _cli_bench, _cli_demo
+
     parser = argparse.ArgumentParser(prog="python -m numkv", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="version, threading layer, a tiny scatter (the default)")
-    _add_optional_commands(sub)
+    _cli_demo.add_parser(sub)
+    _cli_bench.add_parser(sub)
     args = parser.parse_args(argv)
-    command = getattr(args, "run", info)
-    command(args)
+    getattr(args, "run", info)(args)
     return 0
-
-
-def _add_optional_commands(sub):
-    """``demo`` and ``bench`` live in their own modules (imported on use)."""
-    try:
-        from numkv import _cli_demo
-    except ImportError:
-        _cli_demo = None
-    if _cli_demo is not None:
-        _cli_demo.add_parser(sub)
-    try:
-        from numkv import _cli_bench
-    except ImportError:
-        _cli_bench = None
-    if _cli_bench is not None:
-        _cli_bench.add_parser(sub)
 
 
 if __name__ == "__main__":
