@@ -88,11 +88,17 @@ def check_forms(past, update, write_indices, axis, mode, rng, expected=None):
     assert same_bits(out, expected), f"out=other, {where}"
     assert same_bits(past, past_before), f"past_cache modified with out=other, {where}"
 
-    cache = past.copy()
-    got = numkv.tensor_scatter(cache, update, write_indices, axis=axis, mode=mode, out=cache)
-    assert got is cache
-    assert same_bits(cache, expected), f"out=past_cache, {where}"
-    assert same_bits(update, update_before)
+    # In place, through the NumPy slice path (few rows) and through the kernel.
+    for slice_rows in (_scatter.SLICE_MAX_ROWS, 0):
+        cache = past.copy()
+        saved, _scatter.SLICE_MAX_ROWS = _scatter.SLICE_MAX_ROWS, slice_rows
+        try:
+            got = numkv.tensor_scatter(cache, update, write_indices, axis=axis, mode=mode, out=cache)
+        finally:
+            _scatter.SLICE_MAX_ROWS = saved
+        assert got is cache
+        assert same_bits(cache, expected), f"out=past_cache (slice rows {slice_rows}), {where}"
+        assert same_bits(update, update_before)
 
 
 # --------------------------------------------------------------------------- grid
@@ -291,8 +297,10 @@ def test_update_aliasing_the_cache(rng, monkeypatch):
 
 def spy_kernels(monkeypatch):
     """Count calls to the serial and parallel kernels (and route calls to them
-    even where NUMKV_REFERENCE=1 is set)."""
+    even where NUMKV_REFERENCE=1 is set, or the update is small enough for the
+    NumPy slice path)."""
     monkeypatch.setattr(_config, "REFERENCE", False)
+    monkeypatch.setattr(_scatter, "SLICE_MAX_ROWS", 0)
     calls = {"serial": 0, "parallel": 0}
     for name in calls:
         kernel = getattr(scatter_kernels, f"scatter_{name}")
@@ -303,6 +311,32 @@ def spy_kernels(monkeypatch):
 
         monkeypatch.setattr(scatter_kernels, f"scatter_{name}", spy)
     return calls
+
+
+def test_small_in_place_updates_take_the_slice_path(rng, monkeypatch):
+    """At most SLICE_MAX_ROWS batch rows and SLICE_MAX_BYTES in place: NumPy
+    slices, no kernel; one row more, or one byte more, or not in place: a kernel."""
+    past = random_values(rng, (5, 4, 64, 32), np.float32)
+    update = random_values(rng, (5, 4, 2, 32), np.float32)
+    calls = spy_kernels(monkeypatch)
+    monkeypatch.setattr(_scatter, "SLICE_MAX_ROWS", 4)
+    rows = _scatter.SLICE_MAX_ROWS
+    for batch, form, kernel_calls in ((rows, "in place", 0), (rows + 1, "in place", 1),
+                                      (rows, "functional", 1)):
+        cache = past[:batch].copy()
+        w = np.arange(batch) * 7 - 1  # one row wraps
+        expected = oracle.tensor_scatter(cache, update[:batch], w, mode="circular")
+        before = dict(calls)
+        out = cache if form == "in place" else None
+        got = numkv.tensor_scatter(cache, update[:batch], w, mode="circular", out=out)
+        assert same_bits(got, expected)
+        assert sum(calls.values()) - sum(before.values()) == kernel_calls, (batch, form)
+    big = random_values(rng, (1, 4, 64, 32), np.float32)  # 32 KiB
+    monkeypatch.setattr(_scatter, "SLICE_MAX_BYTES", big.nbytes - 1)
+    cache = past[:1].copy()
+    numkv.tensor_scatter(cache, big, out=cache)
+    assert same_bits(cache, big)
+    assert calls["serial"] == 3
 
 
 def test_default_threshold_picks_the_kernel(rng, monkeypatch):
