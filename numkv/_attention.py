@@ -15,7 +15,9 @@ from . import _config
 from ._dtypes import ATTENTION_DTYPES, FLOAT8_TYPES, kernel_operand
 from ._validate import as_array, as_float, as_int
 
-SOFTMAX_PRECISIONS = {1: np.float32, 10: np.float16, 11: np.float64, 16: None}  # 16: bfloat16
+# ONNX TensorProto codes: FLOAT, FLOAT16, DOUBLE, BFLOAT16.  DOUBLE makes the
+# kernel accumulate in float64; the others are met by float32 accumulation.
+SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 
 # Tile defaults (queries per tile, keys per tile).  Splitting the key range of
 # few-query work (decode) into chunks keeps every core busy; the chunk length

@@ -22,24 +22,16 @@ another dtype -> ``TypeError`` (never a silent cast).  Everything is checked
 before anything is written, so a failed ``append`` leaves the cache unchanged.
 """
 
-import operator
-
 import numpy as np
 
 from ._dtypes import is_scatter_dtype
-from ._scatter import tensor_scatter
-
-MODES = ("linear", "circular")
+from ._scatter import MODES, tensor_scatter
+from ._validate import as_int
 
 
 def _count(value, name, minimum):
     """A plain integer argument ``>= minimum`` (bools rejected)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    value = as_int(value, name)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -168,7 +160,7 @@ class _KVCache:
                     nonpad_kv_seqlen=extent, is_causal=True)
 
     def _crop_lengths(self, n):
-        n = operator.index(n)
+        n = as_int(n, "n")
         if n >= 0:
             return np.minimum(self._lens, n)
         return np.maximum(self._lens + n, 0)
