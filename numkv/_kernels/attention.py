@@ -12,7 +12,8 @@ bfloat16, float8): one K/V tile at a time, never the whole cache.  Keys ``j <
 P`` come from the past buffers, the rest from the new K/V: no concatenation.
 
 ``y`` (and the additive ``mask``) have the accumulation dtype: float32, or
-float64 for float64 inputs; scores, softmax and accumulators use it too.
+float64 for float64 Q or ``softmax_precision`` DOUBLE; scores, softmax and
+accumulators use it too.
 
 Which keys a query ``i`` of batch ``b`` sees is one interval per row,
 ``lo <= j <= hi``, folded by the wrapper from ``is_causal``, the offset
@@ -43,7 +44,6 @@ from .._config import jit
 # ints[] layout (see _attention.py, which fills it)
 (B_, HQ, HKV, SQ, T_, PAST, D_, DV, CAUSAL, LEFT, RIGHT, HAS_MASK, BQ, BK, CHUNK,
  N_QT, N_CH, Q0, KP0, KN0, VP0, VN0, M0, Y0) = range(24)
-N_INTS = 24
 # strides[] layout: four (b, h, s, d) strides per tensor, in this order
 QS, KPS, KNS, VPS, VNS, MS, YS = (4 * i for i in range(7))
 
