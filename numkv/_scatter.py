@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _config
 from ._dtypes import flat_units, is_scatter_dtype, unit_size
-from ._validate import as_array, index_vector, normalize_axis, output_array
+from ._validate import as_array, as_int, index_vector, normalize_axis, output_array
 
 MODES = ("linear", "circular")
 
@@ -102,26 +102,34 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
 
 
 def _check_shapes(past_cache, update, axis):
-    ndim = past_cache.ndim
+    """``(max_seq, seq_len, axis)`` once every shape, dtype and axis rule holds."""
+    if type(axis) is not int:
+        axis = as_int(axis, "axis")
+    return _checked_layout(past_cache.shape, update.shape, past_cache.dtype, update.dtype, axis)
+
+
+# Memoised: a decode loop checks the same shapes every step (0.9 -> 0.3 us).
+@functools.lru_cache(maxsize=256)
+def _checked_layout(shape, update_shape, dtype, update_dtype, axis):
+    ndim = len(shape)
     if ndim < 2:
         raise ValueError(f"past_cache must have rank >= 2 (batch, ..., sequence, ...), got rank {ndim}")
-    if update.ndim != ndim:
-        raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
-    if update.dtype != past_cache.dtype:
+    if len(update_shape) != ndim:
+        raise ValueError(f"update has rank {len(update_shape)}, past_cache has rank {ndim}")
+    if update_dtype != dtype:
         raise TypeError(
-            f"update has dtype {update.dtype}, past_cache has dtype {past_cache.dtype} (no implicit casting)"
+            f"update has dtype {update_dtype}, past_cache has dtype {dtype} (no implicit casting)"
         )
-    if not is_scatter_dtype(past_cache.dtype):
-        raise TypeError(f"past_cache dtype {past_cache.dtype} is not supported by TensorScatter")
-    ax = axis + ndim if type(axis) is int and -ndim <= axis < 0 else normalize_axis(axis, ndim)
+    if not is_scatter_dtype(dtype):
+        raise TypeError(f"past_cache dtype {dtype} is not supported by TensorScatter")
+    ax = normalize_axis(axis, ndim)
     if ax == 0:
         raise ValueError(f"axis {axis} is the batch axis; the sequence axis must be 1..{ndim - 1} (or negative)")
-    shape, update_shape = past_cache.shape, update.shape
-    if shape[:ax] != update_shape[:ax] or shape[ax + 1:] != update_shape[ax + 1:]:
-        d = next(d for d in range(ndim) if d != ax and shape[d] != update_shape[d])
-        raise ValueError(
-            f"update.shape[{d}] = {update_shape[d]} does not match past_cache.shape[{d}] = {shape[d]}"
-        )
+    for d in range(ndim):
+        if d != ax and shape[d] != update_shape[d]:
+            raise ValueError(
+                f"update.shape[{d}] = {update_shape[d]} does not match past_cache.shape[{d}] = {shape[d]}"
+            )
     max_seq, seq_len = shape[ax], update_shape[ax]
     if seq_len > max_seq:
         raise ValueError(
