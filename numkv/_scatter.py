@@ -87,7 +87,8 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
             past_cache = past_cache.copy()
     elif not out.flags.writeable:
         raise ValueError("out (= past_cache) is read-only")
-    if np.may_share_memory(out, update):
+    # Arrays that both own their memory cannot overlap (spares a bounds check).
+    if not (update.base is None and out.base is None) and np.may_share_memory(out, update):
         update = update.copy()
 
     if past_cache.size == 0 or (in_place and seq_len == 0):
@@ -144,18 +145,17 @@ def _write_positions(write_indices, batch, seq_len, max_seq, mode):
     if write_indices is None:
         return np.zeros(batch, np.int64)
     if (type(write_indices) is np.ndarray and write_indices.dtype == _INT64
-            and write_indices.shape == (batch,)):
+            and write_indices.ndim == 1 and len(write_indices) == batch):
         starts = write_indices.copy()  # the common case, checked in 1/3 of the time
     else:
         starts = index_vector(write_indices, "write_indices", batch)
     if mode == "circular":
         return starts % max_seq if max_seq else starts
-    # Small batches: Python's min/max over a list beat two numpy reductions.
-    if batch <= 64:
+    if batch <= 64:  # Python's min/max over a short list beat two numpy reductions
         values = starts.tolist()
         low, high = (min(values), max(values)) if batch else (0, 0)
     else:
-        low, high = int(starts.min()), int(starts.max())
+        low, high = starts.min(), starts.max()
     if low < 0 or high > max_seq - seq_len:
         for b, w in enumerate(starts.tolist()):
             if w < 0:
@@ -233,9 +233,9 @@ def scatter_reference(past_cache, update, write_at, axis, out, in_place):
     head = (slice(None),) * (axis - 1)
     for b, start in enumerate(write_at.tolist()):
         if start + seq_len <= max_seq:
-            out[(b, *head, slice(start, start + seq_len))] = update[b]
+            out[(b,) + head + (slice(start, start + seq_len),)] = update[b]
         else:  # a circular write that wraps: two slices
             first = max_seq - start
-            out[(b, *head, slice(start, max_seq))] = update[(b, *head, slice(0, first))]
-            out[(b, *head, slice(0, seq_len - first))] = update[(b, *head, slice(first, seq_len))]
+            out[(b,) + head + (slice(start, max_seq),)] = update[(b,) + head + (slice(0, first),)]
+            out[(b,) + head + (slice(0, seq_len - first),)] = update[(b,) + head + (slice(first, seq_len),)]
     return out
