@@ -14,15 +14,16 @@ import numkv
 
 def info(args=None):
     """Version, numba threading, and one small scatter (compiles on first use)."""
-    import numba
+    from numkv._config import runtime_info
 
     cache = np.zeros((4, 8, 256, 128), np.float32)
     update = np.ones((4, 8, 16, 128), np.float32)
     start = time.perf_counter()
     present = numkv.tensor_scatter(cache, update, np.array([0, 16, 32, 240]), mode="circular")
     elapsed = time.perf_counter() - start
-    print(f"numkv {numkv.__version__}  (numba {numba.__version__}, numpy {np.__version__})")
-    print(f"threads: {numba.get_num_threads()}  threading layer: {numba.threading_layer()}")
+    numba_version, threads, layer = runtime_info()
+    print(f"numkv {numkv.__version__}  (numba {numba_version}, numpy {np.__version__})")
+    print(f"threads: {threads}  threading layer: {layer}")
     print(
         f"tensor_scatter: wrote {update.shape} into {cache.shape} in {elapsed * 1e3:.1f} ms "
         f"(first call, includes compilation); rows written: {int(present[:, 0, :, 0].sum())}"

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _config
 from ._dtypes import ATTENTION_DTYPES, FLOAT8_TYPES, kernel_operand
-from ._validate import as_array, as_float, as_int
+from ._validate import as_array, as_float, as_int, index_vector
 
 # ONNX TensorProto codes: FLOAT, FLOAT16, DOUBLE, BFLOAT16.  DOUBLE makes the
 # kernel accumulate in float64; the others are met by float32 accumulation.
@@ -208,8 +208,9 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
     left = _window(left_window_size, "left_window_size")
     right = _window(right_window_size, "right_window_size")
     softcap = as_float(softcap, "softcap")
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
+    if not math.isfinite(softcap):
+        raise ValueError(f"softcap must be finite, got {softcap}")
+    softcap = max(softcap, 0.0)  # ONNX (and its reference): softcap <= 0 means none
     if softmax_precision is not None:
         softmax_precision = as_int(softmax_precision, "softmax_precision")
         if softmax_precision not in SOFTMAX_PRECISIONS:
@@ -224,12 +225,7 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
     if nonpad_kv_seqlen is not None:
         if past_key is not None:
             raise ValueError("nonpad_kv_seqlen cannot be combined with past_key/past_value")
-        nonpad = as_array(nonpad_kv_seqlen, "nonpad_kv_seqlen")
-        if nonpad.dtype.kind not in "iu":
-            raise TypeError(f"nonpad_kv_seqlen must be an integer array, got dtype {nonpad.dtype}")
-        if nonpad.shape != (b,):
-            raise ValueError(f"nonpad_kv_seqlen must have shape (batch_size,) = ({b},), got {nonpad.shape}")
-        nonpad = np.array(nonpad, dtype=np.int64)
+        nonpad = index_vector(nonpad_kv_seqlen, "nonpad_kv_seqlen", b)
         bad = np.flatnonzero((nonpad < 0) | (nonpad > skv))
         if bad.size:
             i = int(bad[0])

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 import numkv
+from numkv._config import runtime_info, set_threads
 
 CACHE_SHAPE = (4, 8, 4096, 128)  # (batch, kv heads, max_seq, head_dim)
 WRITE_INDICES = np.array([0, 1000, 2048, 4095], np.int64)  # each row at its own length
@@ -89,10 +90,7 @@ def _set_threads(n):
         return
     if n < 1:
         raise SystemExit("--threads must be >= 1")
-    if "numba" in sys.modules:
-        sys.modules["numba"].set_num_threads(n)
-    else:
-        os.environ["NUMBA_NUM_THREADS"] = str(n)
+    set_threads(n)
     if "torch" in sys.modules or _have("torch"):
         import torch
 
@@ -266,9 +264,7 @@ def _report(title, impls, repeats, budget, check):
 
 
 def _versions():
-    import numba
-
-    parts = [f"numpy {np.__version__}", f"numba {numba.__version__}"]
+    parts = [f"numpy {np.__version__}", f"numba {runtime_info()[0]}"]
     for module in ("onnx", "onnxruntime", "torch"):
         if _have(module):
             parts.append(f"{module} {__import__(module).__version__}")
@@ -281,12 +277,11 @@ def run(args):
     threads = args.threads
     _set_threads(threads)
     repeats, budget = (3, 2.0) if args.quick else (15, 10.0)
-    import numba
 
     print(f"numkv {numkv.__version__} bench on {platform.machine()} ({os.cpu_count()} CPUs), "
           f"Python {platform.python_version()}")
     print(f"  {_versions()}")
-    print(f"  numkv threads: {numba.get_num_threads()}"
+    print(f"  numkv threads: {runtime_info()[1]}"
           + (f" (--threads {threads} for every runtime)" if threads else " (each runtime's default)"))
     print(f"  median time per call over up to {repeats} samples; ratio = time / numkv's time")
 

@@ -59,7 +59,7 @@ class _Progress:
     def __init__(self, label, stream=None):
         self.label = label
         self.stream = sys.stderr if stream is None else stream  # looked up now: tests swap it
-        self.live = hasattr(stream, "isatty") and stream.isatty()
+        self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
 
     def __call__(self, done, total):
         if self.live:
@@ -119,12 +119,11 @@ def _compare(tokens, logits, ref_tokens, ref_logits):
 
 
 def run(args):
-    import numba
-
+    from numkv._config import set_threads, threads
     from numkv.layers import Decoder
 
     if args.threads is not None:
-        numba.set_num_threads(args.threads)
+        set_threads(args.threads)
     if min(args.batch, args.prompt_len, args.new_tokens) < 1:
         raise SystemExit("demo: --batch, --prompt-len and --new-tokens must be >= 1")
     window = args.window or max(1, args.prompt_len // 2)
@@ -148,7 +147,7 @@ def run(args):
     cfg = decoder.config
     print(f"numkv demo: decoder {args.size!r} (embed {cfg['embed_dim']}, {cfg['num_layers']} layers, "
           f"{cfg['num_heads']} query / {cfg['num_kv_heads']} kv heads, vocab {cfg['vocab_size']}), "
-          f"{numba.get_num_threads()} threads")
+          f"{threads()} threads")
     print(f"batch {args.batch}, prompts of {lens.min()}..{lens.max()} tokens, "
           f"{args.new_tokens} new tokens each, greedy")
 

@@ -21,12 +21,13 @@ CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
 FASTMATH = frozenset({"reassoc", "contract"})
 
 
-def jit(parallel=False, fastmath=False):
-    """A lazy ``numba.njit`` (no signatures: nothing compiles at import)."""
+def jit(parallel=False, reassociate=False):
+    """A lazy ``numba.njit`` (no signatures: nothing compiles at import);
+    ``reassociate`` enables exactly the ``FASTMATH`` flags."""
     import numba
 
     options = dict(nogil=True, parallel=parallel, error_model="numpy")
-    if fastmath:
+    if reassociate:
         options["fastmath"] = set(FASTMATH)
 
     def decorate(func):
@@ -41,3 +42,30 @@ def jit(parallel=False, fastmath=False):
 
 # Tests set this to route every op through its plain NumPy reference path.
 REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
+
+
+def threads():
+    """numba's thread count for the calling Python thread."""
+    import numba
+
+    return numba.get_num_threads()
+
+
+def set_threads(n):
+    """Set numba's thread count for the calling Python thread (the library
+    itself never does; the command line does, for ``--threads``)."""
+    import numba
+
+    numba.set_num_threads(n)
+
+
+def runtime_info():
+    """``(numba version, threads, threading layer)``; the layer is known once
+    a parallel kernel has run."""
+    import numba
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:
+        layer = "not started"
+    return numba.__version__, numba.get_num_threads(), layer

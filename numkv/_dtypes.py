@@ -56,9 +56,12 @@ def unit_size(arrays):
     """The widest unsigned unit (8, 4, 2 or 1 bytes) that tiles every element,
     stride and start address of ``arrays`` exactly."""
     itemsize = arrays[0].itemsize
-    if itemsize in _UNSIGNED:
+    # numpy's aligned flag covers the address and strides, but to the dtype's
+    # alignment: it stands for the itemsize only where the two agree (not for
+    # complex64, 'S' or 'U', whose alignment is smaller than their size).
+    if itemsize in _UNSIGNED and arrays[0].dtype.alignment == itemsize:
         for a in arrays:
-            if not a.flags.aligned:  # numpy's flag covers the address and strides
+            if not a.flags.aligned:
                 break
         else:
             return itemsize
@@ -103,7 +106,7 @@ def flat_view(arr, dtype):
     strides = [s // dtype.itemsize for s in arr.strides]
     if arr.size == 0:  # nothing is read; keep the type numba sees
         return np.zeros(1, dtype), 0, strides
-    if min(strides) > 0:
+    if min(strides) > 0 and arr.flags.writeable:  # (a read-only view is another numba type)
         # A permutation of a C-contiguous block (3-D inputs seen as 4-D, K/V
         # transposes): un-permute, and ravel is a view.  ~4x cheaper than
         # building the view from the address, and calls are small in decode.
@@ -146,7 +149,7 @@ def kernel_operand(arr):
         view_dtype, table = arr.dtype, _NO_TABLE
     else:
         view_dtype, table = _UNSIGNED[arr.itemsize], decode_table(arr.dtype)
-    if not arr.flags.aligned:
+    if not arr.flags.aligned:  # rare (a view into packed bytes): costs one O(input) copy
         arr = np.ascontiguousarray(arr)
     flat, base, strides = flat_view(arr, view_dtype)
     return flat, base, strides, table

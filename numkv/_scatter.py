@@ -88,7 +88,8 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     elif not out.flags.writeable:
         raise ValueError("out (= past_cache) is read-only")
     # Arrays that both own their memory cannot overlap (spares a bounds check).
-    if not (update.base is None and out.base is None) and np.may_share_memory(out, update):
+    if update is out or (not (update.base is None and out.base is None)
+                         and np.may_share_memory(out, update)):
         update = update.copy()
 
     if past_cache.size == 0 or (in_place and seq_len == 0):

@@ -46,6 +46,8 @@ def index_vector(value, name, length):
     """An integer vector of shape ``(length,)`` as int64 (a copy: later checks
     and kernels never see the caller's array change under them)."""
     arr = value if isinstance(value, np.ndarray) else as_array(value, name)
+    if arr.size == 0 and arr.ndim == 1 and length == 0:
+        return np.zeros(0, np.int64)  # batch 0: np.asarray([]) is float64
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer array (int32 or int64), got dtype {arr.dtype}")
     if arr.shape != (length,):

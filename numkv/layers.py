@@ -172,7 +172,7 @@ class CachedSelfAttention:
         else:
             extra = {} if window is None else {"left_window_size": window - 1}
             y = _attention(q, k, v, is_causal=True, **extra)
-        return _dense(y.transpose(0, 2, 1, 3).reshape(batch, new, -1), self.w_o)
+        return _dense(y.transpose(0, 2, 1, 3).reshape(batch, new, self.num_heads * self.head_dim), self.w_o)
 
     def _attend_cached(self, q, k, v, cache, lengths, window):
         extra = {}

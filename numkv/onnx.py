@@ -67,7 +67,7 @@ class Attention(OpRun):
              qk_matmul_output_mode=None, left_window_size=None, right_window_size=None):
         outputs = self.onnx_node.output
         want_scores = len(outputs) > 3 and bool(outputs[3])
-        attrs = dict(scale=scale, is_causal=bool(is_causal or 0), q_num_heads=q_num_heads,
+        attrs = dict(scale=scale, is_causal=0 if is_causal is None else is_causal, q_num_heads=q_num_heads,
                      kv_num_heads=kv_num_heads, softcap=float(softcap or 0.0),
                      softmax_precision=softmax_precision,
                      left_window_size=-1 if left_window_size is None else left_window_size,

@@ -642,7 +642,6 @@ BAD = [
     ("past-lengths-differ", dict(past_key=_past(p=2), past_value=_past(p=3)), ValueError,
      "past_key has length 2 but past_value has 3"),
     ("causal-3", dict(is_causal=3), ValueError, "is_causal.*3"),
-    ("softcap-negative", dict(softcap=-1.0), ValueError, "softcap"),
     ("scale-string", dict(scale="x"), TypeError, "scale"),
     ("q-num-heads-contradicts-4d", dict(q_num_heads=2), ValueError, "q_num_heads = 2"),
 ]
@@ -707,3 +706,13 @@ def test_accepted_edge_inputs(rng):
     y = numkv.attention(q, k, v, nonpad_kv_seqlen=np.array([0, 5], np.int32))
     assert (y[0] == 0).all() and np.isfinite(y).all()
     numkv.attention(q, k, v, left_window_size=0, right_window_size=-1)
+
+
+def test_negative_softcap_is_no_softcap():
+    """ONNX applies the softcap only when it is > 0 (onnx.reference's _softcap);
+    a negative one is accepted and ignored, not an error."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4), dtype=np.float32) for _ in range(3))
+    expected = oracle.attention(q, k, v, softcap=-1.0)[0]
+    np.testing.assert_allclose(numkv.attention(q, k, v, softcap=-1.0), expected, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(numkv.attention(q, k, v, softcap=-1.0), numkv.attention(q, k, v))

@@ -248,7 +248,7 @@ def _merge_item(item, y, ints, st, part_m, part_l, part_acc):
                        + (i0 + ii) * st[YS + 2], st[YS + 3], total, l_all)
 
 
-@jit(fastmath=True)
+@jit(reassociate=True)
 def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
                          has_mask, mask, mask_base, mask_stride):
     """Fold keys ``jl .. jh`` of the loaded tile into row ``r``'s running
