@@ -145,8 +145,8 @@ def _write_positions(write_indices, batch, seq_len, max_seq, mode):
     array (a copy: the kernel trusts these bounds, so nobody else holds it)."""
     if write_indices is None:
         return np.zeros(batch, np.int64)
-    if (type(write_indices) is np.ndarray and write_indices.dtype == _INT64
-            and write_indices.ndim == 1 and len(write_indices) == batch):
+    if (type(write_indices) is np.ndarray and write_indices.dtype is _INT64
+            and write_indices.shape == (batch,)):
         starts = write_indices.copy()  # the common case, checked in 1/3 of the time
     else:
         starts = index_vector(write_indices, "write_indices", batch)
