@@ -225,12 +225,7 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
     if nonpad_kv_seqlen is not None:
         if past_key is not None:
             raise ValueError("nonpad_kv_seqlen cannot be combined with past_key/past_value")
-        nonpad = index_vector(nonpad_kv_seqlen, "nonpad_kv_seqlen", b)
-        bad = np.flatnonzero((nonpad < 0) | (nonpad > skv))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"nonpad_kv_seqlen[{i}] = {int(nonpad[i])} is outside [0, kv_sequence_length {skv}]")
+        nonpad = index_vector(nonpad_kv_seqlen, "nonpad_kv_seqlen", b, skv, "kv_sequence_length ")
         offset, valid = nonpad - sq, nonpad.copy()
     else:
         offset = np.full(b, past_len, np.int64)

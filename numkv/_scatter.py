@@ -7,6 +7,7 @@ assignments), which tests can force with ``_config.REFERENCE``.
 """
 
 import functools
+
 import numpy as np
 
 from . import _config
@@ -207,8 +208,7 @@ def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, *strides):
     # Positions per work item: ~64 KiB each, so a long copy spreads over the
     # threads while a 1-token append stays one item per row.
     chunk = max(1, CHUNK_BYTES // (n_cols * unit))
-    header = [n_rows, n_cols, seq_len, max_seq, n_rows // shape[0],
-              int(not in_place), int(contiguous), *seq, chunk]
+    header = [n_rows, n_cols, seq_len, max_seq, int(not in_place), int(contiguous), *seq, chunk]
     batch_of = np.arange(n_rows, dtype=np.int64) // (n_rows // shape[0])
     plan = np.concatenate([np.array(header, np.int64), *rows, batch_of, *cols])
     plan.flags.writeable = False

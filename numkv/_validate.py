@@ -42,9 +42,10 @@ def normalize_axis(axis, ndim, name="axis"):
     return axis % ndim
 
 
-def index_vector(value, name, length):
+def index_vector(value, name, length, upper=None, upper_label=""):
     """An integer vector of shape ``(length,)`` as int64 (a copy: later checks
-    and kernels never see the caller's array change under them)."""
+    and kernels never see the caller's array change under them); with
+    ``upper``, every entry must lie in ``[0, upper]``."""
     arr = value if isinstance(value, np.ndarray) else as_array(value, name)
     if arr.size == 0 and arr.ndim == 1 and length == 0:
         return np.zeros(0, np.int64)  # batch 0: np.asarray([]) is float64
@@ -54,7 +55,13 @@ def index_vector(value, name, length):
         raise ValueError(f"{name} must have shape (batch_size,) = ({length},), got {arr.shape}")
     if arr.dtype.kind == "u" and length and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} has an entry above the int64 range")
-    return np.array(arr, dtype=np.int64)
+    arr = np.array(arr, dtype=np.int64)
+    if upper is not None:
+        bad = np.flatnonzero((arr < 0) | (arr > upper))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i}] = {int(arr[i])} is outside [0, {upper_label}{upper}]")
+    return arr
 
 
 def output_array(out, shape, dtype, name="out"):

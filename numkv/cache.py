@@ -26,7 +26,7 @@ import numpy as np
 
 from ._dtypes import is_scatter_dtype
 from ._scatter import MODES, tensor_scatter
-from ._validate import as_int
+from ._validate import as_int, index_vector
 
 
 def _count(value, name, minimum):
@@ -94,17 +94,7 @@ class _KVCache:
         """Tokens each row really gains: ``new`` everywhere, or ``lengths``."""
         if lengths is None:
             return np.full(batch, new, np.int64)
-        arr = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"lengths must be an integer array, got dtype {arr.dtype}")
-        if arr.shape != (batch,):
-            raise ValueError(f"lengths must have shape (batch_size,) = ({batch},), got {arr.shape}")
-        arr = arr.astype(np.int64)
-        bad = np.flatnonzero((arr < 0) | (arr > new))
-        if bad.size:
-            b = int(bad[0])
-            raise ValueError(f"lengths[{b}] = {arr[b]} is outside [0, {new}] (the new sequence length)")
-        return arr
+        return index_vector(lengths, "lengths", batch, new)
 
     def _check_fits(self, start, new, capacity):
         over = np.flatnonzero(start + new > capacity)

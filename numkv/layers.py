@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from ._validate import index_vector
 from .cache import DynamicKVCache, StaticKVCache
 
 
@@ -29,17 +30,7 @@ def _attention(Q, K, V, **kwargs):
 
 def _lengths(lengths, batch, new):
     """``lengths`` as int64 ``(B,)`` in ``[0, S]``, or None."""
-    if lengths is None:
-        return None
-    arr = np.asarray(lengths)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"lengths must be an integer array, got dtype {arr.dtype}")
-    if arr.shape != (batch,):
-        raise ValueError(f"lengths must have shape (batch,) = ({batch},), got {arr.shape}")
-    arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > new):
-        raise ValueError(f"lengths must lie in [0, {new}] (the sequence length), got {arr.tolist()}")
-    return arr
+    return None if lengths is None else index_vector(lengths, "lengths", batch, new)
 
 
 def _quantise(x, dtype):

@@ -7,7 +7,7 @@ units per element).  The three arrays (``dst``, ``upd``, ``src``) arrive as
 flat unsigned buffers; one int64 ``plan`` describes all three, so a call costs
 five arguments to dispatch (a 1-token append is pure call overhead):
 
-    plan[:HEADER]            P, R, seq_len, max_seq, rows_per_batch,
+    plan[:HEADER]            P, R, seq_len, max_seq,
                              copy_all, contiguous, dst/upd/src sequence strides,
                              positions per work item
     plan[HEADER:][:3P]       row offsets of dst, upd, src   (units)
@@ -33,7 +33,7 @@ from numba import prange
 
 from .._config import jit
 
-HEADER = 11
+HEADER = 10
 
 
 def _scatter_body(dst, upd, src, plan, write_at):
@@ -45,8 +45,8 @@ def _scatter_body(dst, upd, src, plan, write_at):
     form in a single pass).
     """
     n_rows, n_cols, seq_len, max_seq = plan[0], plan[1], plan[2], plan[3]
-    copy_all, contiguous = plan[5] != 0, plan[6] != 0
-    dst_seq, upd_seq, src_seq, chunk = plan[7], plan[8], plan[9], plan[10]
+    copy_all, contiguous = plan[4] != 0, plan[5] != 0
+    dst_seq, upd_seq, src_seq, chunk = plan[6], plan[7], plan[8], plan[9]
     rows = plan[HEADER:HEADER + 3 * n_rows]
     batch_of = plan[HEADER + 3 * n_rows:HEADER + 4 * n_rows]
     cols = plan[HEADER + 4 * n_rows:HEADER + 4 * n_rows + 3 * n_cols]
