@@ -21,14 +21,18 @@ CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
 FASTMATH = frozenset({"reassoc", "contract"})
 
 
-def jit(parallel=False, reassociate=False):
+def jit(parallel=False, reassociate=False, inline=False):
     """A lazy ``numba.njit`` (no signatures: nothing compiles at import);
-    ``reassociate`` enables exactly the ``FASTMATH`` flags."""
+    ``reassociate`` enables exactly the ``FASTMATH`` flags; ``inline`` inlines
+    a small helper into its callers (no call, no reference counting of its
+    array arguments)."""
     import numba
 
     options = dict(nogil=True, parallel=parallel, error_model="numpy")
     if reassociate:
         options["fastmath"] = set(FASTMATH)
+    if inline:
+        options["inline"] = "always"
 
     def decorate(func):
         if CACHE:

@@ -52,19 +52,20 @@ def is_scatter_dtype(dtype):
         not dtype.isnative and dtype.newbyteorder("=") in SCATTER_DTYPES)
 
 
+# dtype -> its size, for the dtypes whose alignment is their size: numpy's
+# ``aligned`` flag then proves an array tiles into unsigned units of that size.
+NATURAL_UNITS = {d: d.itemsize for d in SCATTER_DTYPES if d.alignment == d.itemsize in _UNSIGNED}
+
+
 def unit_size(arrays):
     """The widest unsigned unit (8, 4, 2 or 1 bytes) that tiles every element,
-    stride and start address of ``arrays`` exactly."""
+    stride and start address of ``arrays`` exactly (``arrays[0]``'s dtype)."""
+    unit = NATURAL_UNITS.get(arrays[0].dtype)
+    if unit and all(a.flags.aligned for a in arrays):
+        return unit
+    # (numpy's aligned flag is to the dtype's alignment, smaller than its size
+    # for complex64, 'S' and 'U': look at the addresses and strides themselves.)
     itemsize = arrays[0].itemsize
-    # numpy's aligned flag covers the address and strides, but to the dtype's
-    # alignment: it stands for the itemsize only where the two agree (not for
-    # complex64, 'S' or 'U', whose alignment is smaller than their size).
-    if itemsize in _UNSIGNED and arrays[0].dtype.alignment == itemsize:
-        for a in arrays:
-            if not a.flags.aligned:
-                break
-        else:
-            return itemsize
     for unit in (8, 4, 2):
         if itemsize % unit == 0 and all(
             a.ctypes.data % unit == 0 and all(s % unit == 0 for s in a.strides)
@@ -82,11 +83,13 @@ class _Buffer:
         self.__array_interface__ = interface
 
 
-def flat_units(arr, unit):
+def flat_units(arr, unit, flags=None):
     """``flat_view(arr, <unsigned of unit bytes>)``'s buffer; C-contiguous
-    arrays take a cheaper path (a 1-token append is pure call overhead)."""
+    arrays take a cheaper path (a 1-token append is pure call overhead, and
+    a caller that has ``arr.flags`` at hand passes it on)."""
     utype = _UNSIGNED[unit]
-    flags = arr.flags
+    if flags is None:
+        flags = arr.flags
     if flags.c_contiguous and flags.writeable:
         return arr.ravel().view(utype)
     return flat_view(arr, utype)[0]

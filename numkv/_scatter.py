@@ -1,17 +1,15 @@
 """``numkv.tensor_scatter``: the ONNX TensorScatter op (opset 24).
 
-coerce -> validate everything -> canonical (P, Smax, R) layouts -> unsigned bit
-views -> serial or parallel kernel.  Object arrays (Python strings) and small
-in-place updates of a few batch rows take the plain NumPy path (slice
+coerce -> check and plan the layout (memoised) -> unsigned bit views -> serial
+or parallel kernel, which checks the write indices before it writes.  Object
+arrays (Python strings) and empty caches take the plain NumPy path (slice
 assignments), which tests can force with ``_config.REFERENCE``.
 """
-
-import functools
 
 import numpy as np
 
 from . import _config
-from ._dtypes import flat_units, is_scatter_dtype, unit_size
+from ._dtypes import NATURAL_UNITS, flat_units, is_scatter_dtype, unit_size
 from ._validate import as_array, as_int, index_vector, normalize_axis, output_array
 
 MODES = ("linear", "circular")
@@ -20,11 +18,6 @@ MODES = ("linear", "circular")
 # costs more than the copy itself (see README, "Benchmarks").
 PARALLEL_MIN_BYTES = 1 << 18
 CHUNK_BYTES = 1 << 16
-# A small in-place update of at most this many batch rows is copied with NumPy
-# slice assignments: ~1 us a row against the kernel path's ~8 us of fixed cost
-# (argument views, plan lookup, dispatch); measured crossover 4-8 rows.
-SLICE_MAX_ROWS = 4
-SLICE_MAX_BYTES = 1 << 16
 _INT64 = np.dtype(np.int64)
 
 _kernels = None
@@ -69,15 +62,17 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     TypeError, ValueError
         On bad input, before anything is written.
     """
-    # (Type checks inlined: a 1-token append is pure call overhead.)
+    # A decode loop repeats one layout, and a 1-token append is pure call
+    # overhead: everything that depends only on dtypes, shapes and strides is
+    # checked and planned once per layout (``_layouts``), the rest is inlined.
     if type(past_cache) is not np.ndarray:
         past_cache = as_array(past_cache, "past_cache")
     if type(update) is not np.ndarray:
         update = as_array(update, "update")
-    max_seq, seq_len, ax = _check_shapes(past_cache, update, axis)
+    if type(axis) is not int:
+        axis = as_int(axis, "axis")
     if mode not in MODES:
         raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
-    write_at = _write_positions(write_indices, past_cache.shape[0], seq_len, max_seq, mode)
 
     in_place = out is past_cache
     if out is None:
@@ -88,32 +83,58 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
             past_cache = past_cache.copy()
     elif not out.flags.writeable:
         raise ValueError("out (= past_cache) is read-only")
+    src = out if in_place else past_cache  # in place the kernel never reads src
     # Arrays that both own their memory cannot overlap (spares a bounds check).
     if update is out or (not (update.base is None and out.base is None)
                          and np.may_share_memory(out, update)):
         update = update.copy()
 
-    if past_cache.size == 0 or (in_place and seq_len == 0):
-        if not in_place:
-            np.copyto(out, past_cache)
-        return out
-    if (_config.REFERENCE or past_cache.dtype.kind == "O"
-            or (in_place and len(write_at) <= SLICE_MAX_ROWS and update.nbytes <= SLICE_MAX_BYTES)):
-        return scatter_reference(past_cache, update, write_at, ax, out, in_place)
-    _scatter_bits(past_cache, update, write_at, ax, out, in_place)
+    out_flags, update_flags = out.flags, update.flags
+    unit = NATURAL_UNITS.get(out.dtype)
+    if not (unit and out_flags.aligned and update_flags.aligned and (in_place or src.flags.aligned)):
+        unit = unit_size((out, update, src))
+    key = (axis, unit, in_place, past_cache.dtype, update.dtype, past_cache.shape, update.shape,
+           out.strides, update.strides, src.strides)
+    ax, max_seq, seq_len, plan, n_bytes = _layouts.get(key) or _new_layout(key)
+
+    starts = write_indices
+    if not (type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (past_cache.shape[0],)):
+        starts = _start_indices(write_indices, past_cache.shape[0])
+    circular = mode == "circular"
+
+    if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
+        positions = _write_positions(starts, seq_len, max_seq, circular)
+        return scatter_reference(past_cache, update, positions, ax, out, in_place)
+
+    dst = flat_units(out, unit, out_flags)
+    kernels = _kernels or _scatter_kernels()
+    kernel = kernels.scatter_parallel if n_bytes >= PARALLEL_MIN_BYTES else kernels.scatter_serial
+    bad_row = kernel(dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
+                     plan, starts, circular)
+    if bad_row >= 0:  # the kernel checked the indices and wrote nothing
+        raise _index_error(bad_row, int(starts[bad_row]), seq_len, max_seq)
     return out
 
 
-def _check_shapes(past_cache, update, axis):
-    """``(max_seq, seq_len, axis)`` once every shape, dtype and axis rule holds."""
-    if type(axis) is not int:
-        axis = as_int(axis, "axis")
-    return _checked_layout(past_cache.shape, update.shape, past_cache.dtype, update.dtype, axis)
+_layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written); a few per cache in use
 
 
-# Memoised: a decode loop checks the same shapes every step (0.9 -> 0.3 us).
-@functools.lru_cache(maxsize=256)
-def _checked_layout(shape, update_shape, dtype, update_dtype, axis):
+def _new_layout(key):
+    """Check the shapes, dtypes and axis of a layout, and plan the kernel's work."""
+    axis, unit, in_place, dtype, update_dtype, shape, update_shape, *strides = key
+    ax = _check_layout(shape, update_shape, dtype, update_dtype, axis)
+    max_seq, seq_len = shape[ax], update_shape[ax]
+    plan, n_bytes = None, 0
+    if dtype.kind != "O" and 0 not in shape:  # else NumPy's slices (or nothing) do it
+        plan, n_bytes = _make_plan(ax, unit, dtype.itemsize, in_place, shape, update_shape, strides)
+    if len(_layouts) >= 1024:
+        _layouts.clear()
+    layout = _layouts[key] = (ax, max_seq, seq_len, plan, n_bytes)
+    return layout
+
+
+def _check_layout(shape, update_shape, dtype, update_dtype, axis):
+    """The sequence axis (non-negative) once every shape, dtype and axis rule holds."""
     ndim = len(shape)
     if ndim < 2:
         raise ValueError(f"past_cache must have rank >= 2 (batch, ..., sequence, ...), got rank {ndim}")
@@ -133,67 +154,45 @@ def _checked_layout(shape, update_shape, dtype, update_dtype, axis):
             raise ValueError(
                 f"update.shape[{d}] = {update_shape[d]} does not match past_cache.shape[{d}] = {shape[d]}"
             )
-    max_seq, seq_len = shape[ax], update_shape[ax]
-    if seq_len > max_seq:
+    if update_shape[ax] > shape[ax]:
         raise ValueError(
-            f"update sequence_length {seq_len} (axis {ax}) > max_sequence_length {max_seq}"
+            f"update sequence_length {update_shape[ax]} (axis {ax}) > max_sequence_length {shape[ax]}"
         )
-    return max_seq, seq_len, ax
+    return ax
 
 
-def _write_positions(write_indices, batch, seq_len, max_seq, mode):
-    """Per-batch-row start positions in ``[0, max_seq)`` as a fresh int64
-    array (a copy: the kernel trusts these bounds, so nobody else holds it)."""
+def _start_indices(write_indices, batch):
+    """``write_indices`` as an int64 array of shape ``(batch,)`` (the wrapper
+    passes an int64 array of that shape straight on: the kernel copies it)."""
     if write_indices is None:
         return np.zeros(batch, np.int64)
-    if (type(write_indices) is np.ndarray and write_indices.dtype is _INT64
-            and write_indices.shape == (batch,)):
-        starts = write_indices.copy()  # the common case, checked in 1/3 of the time
-    else:
-        starts = index_vector(write_indices, "write_indices", batch)
-    if mode == "circular":
-        return starts % max_seq if max_seq else starts
-    if batch <= 64:  # Python's min/max over a short list beat two numpy reductions
-        values = starts.tolist()
-        low, high = (min(values), max(values)) if batch else (0, 0)
-    else:
-        low, high = starts.min(), starts.max()
-    if low < 0 or high > max_seq - seq_len:
-        for b, w in enumerate(starts.tolist()):
-            if w < 0:
-                raise ValueError(f"write_indices[{b}] = {w} is negative (linear mode)")
-            if w + seq_len > max_seq:
-                raise ValueError(
-                    f"write_indices[{b}] = {w}: {w} + sequence_length {seq_len} "
-                    f"> max_sequence_length {max_seq}"
-                )
-    return starts
+    return index_vector(write_indices, "write_indices", batch)
 
 
-def _scatter_bits(past_cache, update, write_at, axis, out, in_place):
-    """Run the kernel over unsigned bit views of the three arrays."""
-    arrays = (out, update) if in_place else (out, update, past_cache)
-    unit = unit_size(arrays)
-    src = out if in_place else past_cache  # in place the kernel never reads src
-    key = (axis, unit, out.itemsize, in_place, out.shape, update.shape,
-           out.strides, update.strides, src.strides)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _make_plan(*key)
-    dst = flat_units(out, unit)
-    k = _scatter_kernels()
-    kernel = k.scatter_parallel if plan[1] >= PARALLEL_MIN_BYTES else k.scatter_serial
-    kernel(dst, flat_units(update, unit), dst if in_place else flat_units(src, unit), plan[0], write_at)
+def _write_positions(starts, seq_len, max_seq, circular):
+    """Each batch row's start position in ``[0, max_seq)`` as a list, or the
+    ``ValueError`` naming the first row out of range (what the kernel checks
+    for itself)."""
+    values = starts.tolist()
+    if circular:
+        return [w % max_seq for w in values] if max_seq else values
+    for b, w in enumerate(values):
+        if w < 0 or w + seq_len > max_seq:
+            raise _index_error(b, w, seq_len, max_seq)
+    return values
 
 
-_plans = {}  # layout key -> (plan, bytes written); a few entries per cache in use
+def _index_error(b, w, seq_len, max_seq):
+    if w < 0:
+        return ValueError(f"write_indices[{b}] = {w} is negative (linear mode)")
+    return ValueError(
+        f"write_indices[{b}] = {w}: {w} + sequence_length {seq_len} > max_sequence_length {max_seq}"
+    )
 
 
-def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, *strides):
+def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, strides):
     """The kernel's int64 plan (see ``_kernels/scatter.py``) for these layouts,
     and the number of bytes the call will write."""
-    if len(_plans) > 1024:
-        _plans.clear()
     shapes = (shape, update_shape, shape)
     rows, cols, seq = [], [], []
     for shp, st in zip(shapes, strides):
@@ -210,8 +209,8 @@ def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, *strides):
     chunk = max(1, CHUNK_BYTES // (n_cols * unit))
     header = [n_rows, n_cols, seq_len, max_seq, int(not in_place), int(contiguous), *seq, chunk]
     batch_of = np.arange(n_rows, dtype=np.int64) // (n_rows // shape[0])
+    # (Left writeable: numba types a read-only argument on a slow path, +2 us a call.)
     plan = np.concatenate([np.array(header, np.int64), *rows, batch_of, *cols])
-    plan.flags.writeable = False
     n_pos = seq_len if in_place else max_seq
     return plan, n_rows * n_pos * n_cols * unit
 
@@ -224,15 +223,17 @@ def _offsets(shape, strides):
     return off
 
 
-def scatter_reference(past_cache, update, write_at, axis, out, in_place):
+def scatter_reference(past_cache, update, positions, axis, out, in_place):
     """The plain NumPy path, one slice assignment per batch row (two where a
-    circular write wraps): any dtype, object arrays too.  Tests can force it
-    with ``_config.REFERENCE``; small in-place updates take it for speed."""
+    circular write wraps) at checked ``positions``: any dtype, object arrays
+    too.  Tests can force it with ``_config.REFERENCE``."""
     if not in_place:
         np.copyto(out, past_cache)
+    if update.size == 0:
+        return out
     max_seq, seq_len = out.shape[axis], update.shape[axis]
     head = (slice(None),) * (axis - 1)
-    for b, start in enumerate(write_at.tolist()):
+    for b, start in enumerate(positions):
         if start + seq_len <= max_seq:
             out[(b,) + head + (slice(start, start + seq_len),)] = update[b]
         else:  # a circular write that wraps: two slices

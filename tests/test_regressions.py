@@ -27,7 +27,7 @@ def test_scatter_field_view_whose_stride_is_not_a_multiple_of_the_itemsize(field
     assert same_bits(rec["pad"], before_pad)  # the neighbouring field is untouched
 
 
-@pytest.mark.parametrize("batch", [1, 8])  # NumPy slice path and kernel path
+@pytest.mark.parametrize("batch", [1, 8])  # one batch row, several
 def test_scatter_update_is_out(batch):
     past = np.zeros((batch, 4, 1))
     update = np.arange(1.0, 4 * batch + 1).reshape(batch, 4, 1).copy()  # owns its memory
@@ -74,3 +74,4 @@ def test_onnx_is_causal_must_be_0_or_1():
     attention.onnx_node = Node()
     with pytest.raises(ValueError, match="is_causal"):
         attention._run(q, q, q, is_causal=2)
+

@@ -88,16 +88,16 @@ def check_forms(past, update, write_indices, axis, mode, rng, expected=None):
     assert same_bits(out, expected), f"out=other, {where}"
     assert same_bits(past, past_before), f"past_cache modified with out=other, {where}"
 
-    # In place, through the NumPy slice path (few rows) and through the kernel.
-    for slice_rows in (_scatter.SLICE_MAX_ROWS, 0):
+    # In place, through the kernel and through the NumPy reference path.
+    for reference in (False, True):
         cache = past.copy()
-        saved, _scatter.SLICE_MAX_ROWS = _scatter.SLICE_MAX_ROWS, slice_rows
+        saved, _config.REFERENCE = _config.REFERENCE, reference
         try:
             got = numkv.tensor_scatter(cache, update, write_indices, axis=axis, mode=mode, out=cache)
         finally:
-            _scatter.SLICE_MAX_ROWS = saved
+            _config.REFERENCE = saved
         assert got is cache
-        assert same_bits(cache, expected), f"out=past_cache (slice rows {slice_rows}), {where}"
+        assert same_bits(cache, expected), f"out=past_cache (reference path: {reference}), {where}"
         assert same_bits(update, update_before)
 
 
@@ -297,10 +297,8 @@ def test_update_aliasing_the_cache(rng, monkeypatch):
 
 def spy_kernels(monkeypatch):
     """Count calls to the serial and parallel kernels (and route calls to them
-    even where NUMKV_REFERENCE=1 is set, or the update is small enough for the
-    NumPy slice path)."""
+    even where NUMKV_REFERENCE=1 is set)."""
     monkeypatch.setattr(_config, "REFERENCE", False)
-    monkeypatch.setattr(_scatter, "SLICE_MAX_ROWS", 0)
     calls = {"serial": 0, "parallel": 0}
     for name in calls:
         kernel = getattr(scatter_kernels, f"scatter_{name}")
@@ -311,32 +309,6 @@ def spy_kernels(monkeypatch):
 
         monkeypatch.setattr(scatter_kernels, f"scatter_{name}", spy)
     return calls
-
-
-def test_small_in_place_updates_take_the_slice_path(rng, monkeypatch):
-    """At most SLICE_MAX_ROWS batch rows and SLICE_MAX_BYTES in place: NumPy
-    slices, no kernel; one row more, or one byte more, or not in place: a kernel."""
-    past = random_values(rng, (5, 4, 64, 32), np.float32)
-    update = random_values(rng, (5, 4, 2, 32), np.float32)
-    calls = spy_kernels(monkeypatch)
-    monkeypatch.setattr(_scatter, "SLICE_MAX_ROWS", 4)
-    rows = _scatter.SLICE_MAX_ROWS
-    for batch, form, kernel_calls in ((rows, "in place", 0), (rows + 1, "in place", 1),
-                                      (rows, "functional", 1)):
-        cache = past[:batch].copy()
-        w = np.arange(batch) * 7 - 1  # one row wraps
-        expected = oracle.tensor_scatter(cache, update[:batch], w, mode="circular")
-        before = dict(calls)
-        out = cache if form == "in place" else None
-        got = numkv.tensor_scatter(cache, update[:batch], w, mode="circular", out=out)
-        assert same_bits(got, expected)
-        assert sum(calls.values()) - sum(before.values()) == kernel_calls, (batch, form)
-    big = random_values(rng, (1, 4, 64, 32), np.float32)  # 32 KiB
-    monkeypatch.setattr(_scatter, "SLICE_MAX_BYTES", big.nbytes - 1)
-    cache = past[:1].copy()
-    numkv.tensor_scatter(cache, big, out=cache)
-    assert same_bits(cache, big)
-    assert calls["serial"] == 3
 
 
 def test_default_threshold_picks_the_kernel(rng, monkeypatch):
@@ -598,8 +570,12 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
 @pytest.mark.parametrize("case, exc, message", [pytest.param(k, e, m, id=i) for i, k, e, m in BAD])
-def test_bad_input(case, exc, message):
+def test_bad_input(case, exc, message, reference, monkeypatch):
+    """Through the kernel path (which checks the write indices itself) and the
+    NumPy reference path (checked in Python): the same error, nothing written."""
+    monkeypatch.setattr(_config, "REFERENCE", reference)
     case = dict(case)
     past = case.pop("past", None)
     past = _cache() if past is None else past.copy()
@@ -627,6 +603,28 @@ def test_bad_input_on_a_strided_cache_leaves_it_unchanged(rng):
         with pytest.raises(ValueError, match=re.escape(message)):
             numkv.tensor_scatter(cache, _update(), np.array(w), out=cache)
         assert same_bits(buf, before)
+
+
+@pytest.mark.parametrize("path", ["serial", "parallel"])
+@pytest.mark.parametrize("form", ["functional", "out=other", "in place"])
+def test_kernel_checks_indices_before_writing(form, path, rng, monkeypatch):
+    """The wrapper passes an int64 ``write_indices`` straight to the kernel,
+    which checks every row before it writes: a bad last row fails the call
+    with neither the cache nor ``out`` touched."""
+    monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", 0 if path == "parallel" else HUGE)
+    calls = spy_kernels(monkeypatch)
+    past = random_values(rng, (4, 3, 10, 2), np.float32)
+    out = {"functional": None, "out=other": random_values(rng, past.shape, past.dtype), "in place": past}[form]
+    past_before, out_before = past.copy(), np.copy(out)
+    for w, message in (([0, 1, 2, 7], "write_indices[3] = 7: 7 + sequence_length 4 > max_sequence_length 10"),
+                       ([0, 1, 2, -1], "write_indices[3] = -1 is negative (linear mode)"),
+                       ([0, -5, 9, -1], "write_indices[1] = -5 is negative (linear mode)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            numkv.tensor_scatter(past, _update(), np.array(w, np.int64), out=out)
+        assert same_bits(past, past_before)
+        if out is not None:
+            assert same_bits(out, out_before)
+    assert calls[path] == 3
 
 
 @pytest.mark.parametrize("case", [

@@ -5,7 +5,7 @@ rows (the dims before the sequence axis, batch first, C order), the sequence
 axis, and ``R`` trailing units (the dims after the axis, times ``k`` unsigned
 units per element).  The three arrays (``dst``, ``upd``, ``src``) arrive as
 flat unsigned buffers; one int64 ``plan`` describes all three, so a call costs
-five arguments to dispatch (a 1-token append is pure call overhead):
+six arguments to dispatch (a 1-token append is pure call overhead):
 
     plan[:HEADER]            P, R, seq_len, max_seq,
                              copy_all, contiguous, dst/upd/src sequence strides,
@@ -18,9 +18,11 @@ so any strides (transposed, sliced, negative) are read in place.  With
 ``contiguous`` set every array's columns are ``arange(R)`` and runs are copied
 with unit stride.
 
-Preconditions (checked by the wrapper): every offset is in bounds, ``0 <=
-write_at[b] < max_seq``, linear writes do not run past ``max_seq``, ``dst``
-overlaps neither ``upd`` nor ``src``.
+Preconditions (checked by the wrapper): every offset is in bounds,
+``write_indices`` has one entry per batch row, ``dst`` overlaps neither ``upd``
+nor ``src``.  The write indices themselves are checked here, before anything
+is written (a 1-token append is pure call overhead, and this loop is the
+cheapest place for it): a linear write must lie in ``[0, max_seq - seq_len]``.
 
 Parallel strategy: one work item per (prefix row, chunk of written sequence
 positions), chunks sized by the wrapper to move ~64 KiB; items are independent.
@@ -36,8 +38,10 @@ from .._config import jit
 HEADER = 10
 
 
-def _scatter_body(dst, upd, src, plan, write_at):
-    """Write ``upd`` into ``dst`` at ``(write_at[b] + i) % max_seq``.
+def _scatter_body(dst, upd, src, plan, write_indices, circular):
+    """Write ``upd`` into ``dst`` at ``(write_indices[b] + i) % max_seq``;
+    return -1, or (writing nothing) the first batch row whose linear write
+    index is out of range.
 
     ``copy_all`` 0: only the ``seq_len`` updated positions of each row are
     written (in place, O(update)).  ``copy_all`` 1: every position is written,
@@ -47,9 +51,20 @@ def _scatter_body(dst, upd, src, plan, write_at):
     n_rows, n_cols, seq_len, max_seq = plan[0], plan[1], plan[2], plan[3]
     copy_all, contiguous = plan[4] != 0, plan[5] != 0
     dst_seq, upd_seq, src_seq, chunk = plan[6], plan[7], plan[8], plan[9]
-    rows = plan[HEADER:HEADER + 3 * n_rows]
-    batch_of = plan[HEADER + 3 * n_rows:HEADER + 4 * n_rows]
-    cols = plan[HEADER + 4 * n_rows:HEADER + 4 * n_rows + 3 * n_cols]
+    # A private copy: the caller's array could change while the GIL is released.
+    write_at = np.empty(write_indices.shape[0], np.int64)
+    for b in range(write_at.shape[0]):
+        w = write_indices[b]
+        if circular:
+            w %= max_seq  # Python's modulo: negative indices count from the end
+        elif w < 0 or w > max_seq - seq_len:
+            return b
+        write_at[b] = w
+    # Where the plan's tables start (indexing the plan itself, not slices of
+    # it, spares a 1-token append ~10% of its time).
+    rows = HEADER
+    batch_of = rows + 3 * n_rows
+    cols = batch_of + n_rows
     n_pos = max_seq if copy_all else seq_len
     n_chunks = (n_pos + chunk - 1) // chunk
     for item in prange(n_rows * n_chunks):
@@ -64,7 +79,7 @@ def _scatter_body(dst, upd, src, plan, write_at):
             p = k // n_chunks
             pos = (k - p * n_chunks) * chunk
         stop = min(n_pos, pos + chunk)
-        start = write_at[batch_of[p]]
+        start = write_at[plan[batch_of + p]]
         while pos < stop:
             # The longest run of positions from one source that does not wrap.
             if copy_all:
@@ -81,44 +96,50 @@ def _scatter_body(dst, upd, src, plan, write_at):
                 i = pos
                 from_update = True
                 run = min(stop - pos, max_seq - out_pos)
-            d0 = rows[p] + out_pos * dst_seq
+            d0 = plan[rows + p] + out_pos * dst_seq
             if from_update:
-                _copy_positions(dst, d0, dst_seq, upd, rows[n_rows + p] + i * upd_seq, upd_seq,
-                                run, cols, n_cols, contiguous)
+                a0, a_seq, a_cols = plan[rows + n_rows + p] + i * upd_seq, upd_seq, cols + n_cols
             else:
-                _copy_positions(dst, d0, dst_seq, src, rows[2 * n_rows + p] + out_pos * src_seq,
-                                src_seq, run, cols, 2 * n_cols, contiguous)
+                a0, a_seq, a_cols = plan[rows + 2 * n_rows + p] + out_pos * src_seq, src_seq, cols + 2 * n_cols
+            # One long unit-stride copy when both sides hold the run back to
+            # back (the functional form then copies at memcpy speed), else
+            # position by position.  (The copies are written out per source:
+            # an array chosen by a branch, or a helper that branches, costs
+            # two atomic reference count updates per call.)
+            if contiguous and dst_seq == n_cols and a_seq == n_cols:
+                n_runs, run_units = 1, run * n_cols
+            else:
+                n_runs, run_units = run, n_cols
+            for t in range(n_runs):
+                d, a = d0 + t * dst_seq, a0 + t * a_seq
+                if contiguous:
+                    if from_update:
+                        _copy_units(dst, d, upd, a, run_units)
+                    else:
+                        _copy_units(dst, d, src, a, run_units)
+                elif from_update:
+                    _gather_units(dst, d, upd, a, plan, cols, a_cols, n_cols)
+                else:
+                    _gather_units(dst, d, src, a, plan, cols, a_cols, n_cols)
             pos += run
+    return -1
 
 
-@jit()
-def _copy_positions(dst, d0, dst_seq, a, a0, a_seq, run, cols, c0, contiguous):
-    """Copy ``run`` consecutive sequence positions; one long unit-stride loop
-    when both sides hold them back to back (the functional form then copies at
-    memcpy speed instead of 512-byte rows at a time)."""
-    n_cols = cols.shape[0] // 3
-    if contiguous and dst_seq == n_cols and a_seq == n_cols:
-        _copy_run(dst, d0, a, a0, cols, c0, True, run * n_cols)
-    else:
-        for t in range(run):
-            _copy_run(dst, d0 + t * dst_seq, a, a0 + t * a_seq, cols, c0, contiguous, n_cols)
+@jit(inline=True)
+def _copy_units(dst, d0, a, a0, n_units):
+    """``dst[d0:d0 + n_units] = a[a0:a0 + n_units]``.  Unsigned indices: numba
+    then drops its negative-index wraparound, so LLVM vectorises the loop
+    (measured 7x faster than int64 indices) and no slice objects are made."""
+    d, s = np.uint64(d0), np.uint64(a0)
+    for r in range(np.uint64(n_units)):
+        dst[d + r] = a[s + r]
 
 
-@jit()
-def _copy_run(dst, d0, a, a0, cols, c0, contiguous, n_units):
-    """Copy ``n_units`` units: unit stride when ``contiguous`` (a loop LLVM
-    vectorises), else one row through the column offset tables."""
-    if contiguous:
-        # Slices indexed by a range variable from 0: numba then drops its
-        # negative-index wraparound and LLVM vectorises the copy (measured 7x
-        # faster than indexing dst[d0 + r]).
-        out = dst[d0:d0 + n_units]
-        run = a[a0:a0 + n_units]
-        for r in range(n_units):
-            out[r] = run[r]
-    else:
-        for r in range(n_units):
-            dst[d0 + cols[r]] = a[a0 + cols[c0 + r]]
+@jit(inline=True)
+def _gather_units(dst, d0, a, a0, plan, dst_cols, a_cols, n_cols):
+    """One position's ``n_cols`` units through the plan's column offset tables."""
+    for r in range(n_cols):
+        dst[d0 + plan[dst_cols + r]] = a[a0 + plan[a_cols + r]]
 
 
 scatter_serial = jit()(_scatter_body)
