@@ -75,3 +75,37 @@ def test_onnx_is_causal_must_be_0_or_1():
     with pytest.raises(ValueError, match="is_causal"):
         attention._run(q, q, q, is_causal=2)
 
+
+def test_scatter_kernels_loaded_from_the_disk_cache_keep_their_threading(tmp_path):
+    """numba's disk cache keys a kernel by its Python function and signature,
+    not by its flags: serial and parallel builds of one function loaded each
+    other's code (a parallel call ran serially, and 1-token appends paid for
+    thread launches).  Each process here compiles or loads one kernel only,
+    from a cache the other kernel was written to first."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import sys, numba, numpy as np, numkv
+from numkv import _scatter
+past, update = np.zeros((2, 3, 64, 4), np.float32), np.ones((2, 3, 5, 4), np.float32)
+for path in sys.argv[1:]:
+    _scatter.PARALLEL_MIN_BYTES = 0 if path == "parallel" else 1 << 62
+    numkv.tensor_scatter(past, update, [1, 2])
+try:
+    numba.threading_layer()
+    print("parallel code ran")
+except ValueError:
+    print("serial code only")
+"""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMKV_CACHE="1")
+
+    def run(*paths):
+        done = subprocess.run([sys.executable, "-c", script, *paths], env=env,
+                              capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    assert run("serial") == "serial code only"
+    assert run("parallel") == "parallel code ran"  # the serial build is in the cache first
+    assert run("serial") == "serial code only"  # and now the parallel one too

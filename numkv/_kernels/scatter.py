@@ -38,6 +38,7 @@ from .._config import jit
 HEADER = 10
 
 
+@jit(inline=True)
 def _scatter_body(dst, upd, src, plan, write_indices, circular):
     """Write ``upd`` into ``dst`` at ``(write_indices[b] + i) % max_seq``;
     return -1, or (writing nothing) the first batch row whose linear write
@@ -142,5 +143,14 @@ def _gather_units(dst, d0, a, a0, plan, dst_cols, a_cols, n_cols):
         dst[d0 + plan[dst_cols + r]] = a[a0 + plan[a_cols + r]]
 
 
-scatter_serial = jit()(_scatter_body)
-scatter_parallel = jit(parallel=True)(_scatter_body)
+# Two entry points rather than ``jit(...)(_scatter_body)`` twice: numba's disk
+# cache keys a kernel by its Python function and signature, not by its flags,
+# so two builds of one function would load each other's code from the cache.
+@jit()
+def scatter_serial(dst, upd, src, plan, write_indices, circular):
+    return _scatter_body(dst, upd, src, plan, write_indices, circular)
+
+
+@jit(parallel=True)
+def scatter_parallel(dst, upd, src, plan, write_indices, circular):
+    return _scatter_body(dst, upd, src, plan, write_indices, circular)
