@@ -3,8 +3,9 @@
 Times the public API (``numkv.tensor_scatter``, ``numkv.attention``) on a few
 fixed cases next to NumPy, ``onnx.reference`` (the executable ONNX spec) and,
 when installed, onnxruntime and torch.  Each figure is the median over
-repeated samples of the time per call; the first call of each implementation
-(numba's compilation, onnxruntime's session warm-up) is made before timing.
+repeated samples of the time per call, the implementations of a case sampled
+in turn; the first call of each implementation (numba's compilation,
+onnxruntime's session warm-up) is made before timing.
 The ratio column is each time divided by numkv's (above 1: slower than numkv).
 
 This is a quick side-by-side; the asv suite (``asv_benchmarks/``) is the
@@ -46,30 +47,36 @@ def add_parser(subparsers):
 
 # -- timing -------------------------------------------------------------------
 
-def measure(fn, repeats, min_sample=0.02, budget=10.0):
-    """Median seconds per call of ``fn`` over ``repeats`` samples, each sample
-    running ``fn`` enough times to last ``min_sample`` seconds.  A slow ``fn``
-    (one call longer than ``budget / repeats``) gets fewer samples, at least 3."""
-    fn()  # the first call compiles / warms up: never timed
-    number, once = 1, 0.0
-    while True:  # size the samples (as timeit.Timer.autorange does)
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        elapsed = time.perf_counter() - t0
-        once = elapsed / number
-        if elapsed >= min_sample:
-            break
-        number *= 10 if elapsed < min_sample / 10 else 2
-    if once * number * repeats > budget:
-        repeats = max(3, int(budget / (once * number)))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(samples)
+def measure(fns, repeats, min_sample=0.02, budget=10.0):
+    """Median seconds per call of each of ``fns``, over ``repeats`` samples each;
+    a sample runs its ``fn`` enough times to last ``min_sample`` seconds, and a
+    slow ``fn`` (one call longer than ``budget / repeats``) gets fewer samples,
+    at least 3.  The samples are taken in turn, one of each ``fn`` per round,
+    so a slow spell of a shared machine falls on every implementation alike."""
+    counts = []
+    for fn in fns:
+        fn()  # the first call compiles / warms up: never timed
+        number = 1
+        while True:  # size the samples (as timeit.Timer.autorange does)
+            elapsed = _sample(fn, number) * number
+            if elapsed >= min_sample:
+                break
+            number *= 10 if elapsed < min_sample / 10 else 2
+        counts.append((number, max(3, min(repeats, int(budget / elapsed)))))
+    samples = [[] for _ in fns]
+    for round_ in range(max(n for _, n in counts)):
+        for fn, (number, n), got in zip(fns, counts, samples):
+            if round_ < n:
+                got.append(_sample(fn, number))
+    return [statistics.median(got) for got in samples]
+
+
+def _sample(fn, number):
+    """Seconds per call of ``fn`` over ``number`` calls."""
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
 
 
 def _fmt_time(seconds):
@@ -242,24 +249,23 @@ def attention_case(name, dims, is_causal, threads):
 
 def _report(title, impls, repeats, budget, check):
     print(f"\n{title}")
-    expected = None
-    base = None
+    runnable = []
     for label, fn in impls:
         try:
-            seconds = measure(fn, repeats, budget=budget)
-            note = ""
-            if check:
-                out = np.asarray(fn())
-                if expected is None:
-                    expected = out
-                else:
-                    note = f"  max|dY| {float(np.max(np.abs(out - expected))):.1e}"
+            fn()
         except Exception as e:  # a peer that can't run this case: say so, go on
             print(f"  {label:<52} failed: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        if base is None:
-            base = seconds
-        print(f"  {label:<52} {_fmt_time(seconds)}  {seconds / base:7.2f}x{note}")
+        else:
+            runnable.append((label, fn))
+    if not runnable:
+        return
+    times = measure([fn for _, fn in runnable], repeats, budget=budget)
+    expected = np.asarray(runnable[0][1]()) if check else None
+    for (label, fn), seconds in zip(runnable, times):
+        note = ""
+        if check and fn is not runnable[0][1]:
+            note = f"  max|dY| {float(np.max(np.abs(np.asarray(fn()) - expected))):.1e}"
+        print(f"  {label:<52} {_fmt_time(seconds)}  {seconds / times[0]:7.2f}x{note}")
     sys.stdout.flush()
 
 
