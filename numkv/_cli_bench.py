@@ -62,7 +62,7 @@ def measure(fns, repeats, min_sample=0.02, budget=10.0):
             if elapsed >= min_sample:
                 break
             number *= 10 if elapsed < min_sample / 10 else 2
-        counts.append((number, max(3, min(repeats, int(budget / elapsed)))))
+        counts.append((number, max(3, min(repeats, int(budget / max(elapsed, 1e-9))))))
     samples = [[] for _ in fns]
     for round_ in range(max(n for _, n in counts)):
         for fn, (number, n), got in zip(fns, counts, samples):

@@ -54,17 +54,16 @@ def is_scatter_dtype(dtype):
 
 # dtype -> its size, for the dtypes whose alignment is their size: numpy's
 # ``aligned`` flag then proves an array tiles into unsigned units of that size.
-NATURAL_UNITS = {d: d.itemsize for d in SCATTER_DTYPES if d.alignment == d.itemsize in _UNSIGNED}
+# (It does not for complex64, 'S' or 'U', aligned to less than their size.)
+NATURAL_UNITS = {d: d.itemsize for d in SCATTER_DTYPES
+                 if d.alignment == d.itemsize and d.itemsize in _UNSIGNED}
 
 
 def unit_size(arrays):
     """The widest unsigned unit (8, 4, 2 or 1 bytes) that tiles every element,
-    stride and start address of ``arrays`` exactly (``arrays[0]``'s dtype)."""
-    unit = NATURAL_UNITS.get(arrays[0].dtype)
-    if unit and all(a.flags.aligned for a in arrays):
-        return unit
-    # (numpy's aligned flag is to the dtype's alignment, smaller than its size
-    # for complex64, 'S' and 'U': look at the addresses and strides themselves.)
+    stride and start address of ``arrays`` exactly (``arrays[0]``'s dtype),
+    from the addresses and strides themselves (``NATURAL_UNITS`` is the
+    shortcut where numpy's aligned flags settle it)."""
     itemsize = arrays[0].itemsize
     for unit in (8, 4, 2):
         if itemsize % unit == 0 and all(

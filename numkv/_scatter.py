@@ -13,6 +13,7 @@ from ._dtypes import NATURAL_UNITS, flat_units, is_scatter_dtype, unit_size
 from ._validate import as_array, as_int, index_vector, normalize_axis, output_array
 
 MODES = ("linear", "circular")
+_IS_CIRCULAR = {mode: mode == "circular" for mode in MODES}
 
 # Below this many bytes moved the serial kernel wins: the parallel launch
 # costs more than the copy itself (see README, "Benchmarks").
@@ -71,7 +72,8 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
         update = as_array(update, "update")
     if type(axis) is not int:
         axis = as_int(axis, "axis")
-    if mode not in MODES:
+    circular = _IS_CIRCULAR.get(mode) if type(mode) is str else None
+    if circular is None:
         raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
 
     in_place = out is past_cache
@@ -89,6 +91,8 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
                          and np.may_share_memory(out, update)):
         update = update.copy()
 
+    # The widest unsigned unit that tiles the three arrays: the dtype's size
+    # where numpy's aligned flags prove it, else worked out from the addresses.
     out_flags, update_flags = out.flags, update.flags
     unit = NATURAL_UNITS.get(out.dtype)
     if not (unit and out_flags.aligned and update_flags.aligned and (in_place or src.flags.aligned)):
@@ -97,10 +101,12 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
            out.strides, update.strides, src.strides)
     ax, max_seq, seq_len, plan, n_bytes = _layouts.get(key) or _new_layout(key)
 
+    # An int64 vector in the one layout the kernels are compiled for goes
+    # straight on (the kernel copies it); anything else is converted.
     starts = write_indices
-    if not (type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (past_cache.shape[0],)):
+    if not (type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (past_cache.shape[0],)
+            and (flags := starts.flags).c_contiguous and flags.writeable):
         starts = _start_indices(write_indices, past_cache.shape[0])
-    circular = mode == "circular"
 
     if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
         positions = _write_positions(starts, seq_len, max_seq, circular)
@@ -109,10 +115,10 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     dst = flat_units(out, unit, out_flags)
     kernels = _kernels or _scatter_kernels()
     kernel = kernels.scatter_parallel if n_bytes >= PARALLEL_MIN_BYTES else kernels.scatter_serial
-    bad_row = kernel(dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
-                     plan, starts, circular)
+    bad_row, bad_index = kernel(dst, flat_units(update, unit, update_flags),
+                                dst if in_place else flat_units(src, unit), plan, starts, circular)
     if bad_row >= 0:  # the kernel checked the indices and wrote nothing
-        raise _index_error(bad_row, int(starts[bad_row]), seq_len, max_seq)
+        raise _index_error(bad_row, bad_index, seq_len, max_seq)
     return out
 
 

@@ -288,7 +288,7 @@ class StaticKVCache(_KVCache):
         max_seq_len = _count(max_seq_len, "max_seq_len", 1)
         head_dim = _count(head_dim, "head_dim", 1)
         v_head_dim = head_dim if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
         if window is not None and mode != "circular":
             raise ValueError("window applies to mode='circular' only")

@@ -83,6 +83,7 @@ def test_scatter_kernels_loaded_from_the_disk_cache_keep_their_threading(tmp_pat
     thread launches).  Each process here compiles or loads one kernel only,
     from a cache the other kernel was written to first."""
     import os
+    import pathlib
     import subprocess
     import sys
 
@@ -99,10 +100,11 @@ try:
 except ValueError:
     print("serial code only")
 """
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMKV_CACHE="1")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMKV_CACHE="1", NUMKV_REFERENCE="0")
+    root = pathlib.Path(__file__).resolve().parents[1]  # this checkout's numkv
 
     def run(*paths):
-        done = subprocess.run([sys.executable, "-c", script, *paths], env=env,
+        done = subprocess.run([sys.executable, "-c", script, *paths], env=env, cwd=root,
                               capture_output=True, text=True, check=True)
         return done.stdout.strip()
 

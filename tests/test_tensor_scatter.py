@@ -527,6 +527,8 @@ BAD = [
     ("mode-wrap", dict(mode="wrap"), ValueError, "mode must be 'linear' or 'circular', got 'wrap'"),
     ("mode-Linear", dict(mode="Linear"), ValueError, "mode must be 'linear' or 'circular', got 'Linear'"),
     ("mode-None", dict(mode=None), ValueError, "mode must be 'linear' or 'circular', got None"),
+    ("mode-array", dict(mode=np.array(["circular"])), ValueError,
+     "mode must be 'linear' or 'circular', got array(['circular']"),
     ("linear-negative", dict(w=np.array([0, 1, -1, 2])), ValueError,
      "write_indices[2] = -1 is negative (linear mode)"),
     ("linear-overflow", dict(w=np.array([0, 1, 2, 7])), ValueError,
@@ -720,3 +722,22 @@ def test_property_in_place_equals_functional(case):
     assert numkv.tensor_scatter(cache, update, w, axis=axis, mode=mode, out=cache) is cache
     assert same_bits(cache, functional)
     assert same_bits(functional, oracle.tensor_scatter(np.array(past), np.array(update), w, axis=axis, mode=mode))
+
+
+def test_write_indices_of_any_layout_reuse_the_compiled_kernel(rng, monkeypatch):
+    """An int64 ``write_indices`` goes straight to the kernel only in the layout
+    it is compiled for: read-only, strided or broadcast ones are converted, not
+    compiled for (~1.5 s each)."""
+    monkeypatch.setattr(_config, "REFERENCE", False)
+    past = random_values(rng, (2, 3, 16, 4), np.float32)
+    update = random_values(rng, (2, 3, 1, 4), np.float32)
+    read_only = np.array([3, 4])
+    read_only.flags.writeable = False
+    cache = past.copy()
+    numkv.tensor_scatter(cache, update, np.array([1, 2]), out=cache)
+    signatures = len(scatter_kernels.scatter_serial.signatures)
+    for w in (read_only, np.arange(4)[::2], np.broadcast_to(np.int64(7), (2,)), np.array([5, 6], ">i8")):
+        cache = past.copy()
+        assert numkv.tensor_scatter(cache, update, w, out=cache) is cache
+        assert same_bits(cache, oracle.tensor_scatter(past, update, np.array(w)))
+    assert len(scatter_kernels.scatter_serial.signatures) == signatures
