@@ -12,7 +12,7 @@ assignments, indices checked in Python), which tests can force with
 import numpy as np
 
 from . import _config
-from ._dtypes import NATURAL_UNITS, flat_units, is_scatter_dtype, unit_size
+from ._dtypes import ALIGNED_UNITS, flat_units, is_scatter_dtype, unit_size
 from ._validate import as_array, as_int, index_vector, normalize_axis, output_array
 
 MODES = ("linear", "circular")
@@ -94,14 +94,16 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
                          and np.may_share_memory(out, update)):
         update = update.copy()
 
-    # The widest unsigned unit that tiles the three arrays: the dtype's size
-    # where numpy's aligned flags prove it, else worked out from the addresses.
+    dtype = past_cache.dtype
+    if update.dtype is not dtype and update.dtype != dtype:
+        _check_layout(past_cache.shape, update.shape, dtype, update.dtype, axis)  # raises
+    # The unsigned unit the kernel moves: the dtype's alignment where numpy's
+    # aligned flags prove it tiles the three arrays, else from their addresses.
     out_flags, update_flags = out.flags, update.flags
-    unit = NATURAL_UNITS.get(out.dtype)
+    unit = ALIGNED_UNITS.get(dtype.type)
     if not (unit and out_flags.aligned and update_flags.aligned and (in_place or src.flags.aligned)):
         unit = unit_size((out, update, src))
-    key = (axis, unit, in_place, past_cache.dtype, update.dtype, past_cache.shape, update.shape,
-           out.strides, update.strides, src.strides)
+    key = (axis, unit, in_place, dtype, past_cache.shape, update.shape, out.strides, update.strides, src.strides)
     ax, max_seq, seq_len, plan, n_bytes = _layouts.get(key) or _new_layout(key)
 
     # An int64 vector in the one layout the kernels are compiled for goes
@@ -130,8 +132,8 @@ _layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written); a 
 
 def _new_layout(key):
     """Check the shapes, dtypes and axis of a layout, and plan the kernel's work."""
-    axis, unit, in_place, dtype, update_dtype, shape, update_shape, *strides = key
-    ax = _check_layout(shape, update_shape, dtype, update_dtype, axis)
+    axis, unit, in_place, dtype, shape, update_shape, *strides = key
+    ax = _check_layout(shape, update_shape, dtype, dtype, axis)
     max_seq, seq_len = shape[ax], update_shape[ax]
     plan, n_bytes = None, 0
     if dtype.kind != "O" and 0 not in shape:  # else NumPy's slices (or nothing) do it
