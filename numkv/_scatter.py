@@ -1,12 +1,9 @@
 """``numkv.tensor_scatter``: the ONNX TensorScatter op (opset 24).
 
 coerce -> check and plan the layout (memoised) -> unsigned bit views -> serial
-or parallel kernel.  The write indices are the one input a kernel checks
-itself, before it writes anything: it copies them in an O(batch) loop anyway,
-and the same check in Python cost ~1 us of a ~5 us 1-token append.  Object
-arrays (Python strings) and empty caches take the plain NumPy path (slice
-assignments, indices checked in Python), which tests can force with
-``_config.REFERENCE``.
+or parallel kernel, which trusts what it is given.  Object arrays (Python
+strings) and empty caches take the plain NumPy path (slice assignments), which
+tests can force with ``_config.REFERENCE``.
 """
 
 import numpy as np
@@ -106,24 +103,27 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     key = (axis, unit, in_place, dtype, past_cache.shape, update.shape, out.strides, update.strides, src.strides)
     ax, max_seq, seq_len, plan, n_bytes = _layouts.get(key) or _new_layout(key)
 
-    # An int64 vector in the one layout the kernels are compiled for goes
-    # straight on (the kernel copies it); anything else is converted.
+    # A private int64 copy (checked here, then read by a kernel that runs
+    # without the GIL): a plain copy for the common case, else a conversion.
     starts = write_indices
-    if not (type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (past_cache.shape[0],)
-            and (flags := starts.flags).c_contiguous and flags.writeable):
+    if type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (past_cache.shape[0],):
+        starts = starts.copy()
+    else:
         starts = _start_indices(write_indices, past_cache.shape[0])
+    if not circular:
+        values = starts.tolist()
+        if values and (min(values) < 0 or max(values) > max_seq - seq_len):
+            _write_positions(values, seq_len, max_seq, circular)  # raises, naming the row
 
     if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
-        positions = _write_positions(starts, seq_len, max_seq, circular)
+        positions = _write_positions(starts.tolist(), seq_len, max_seq, circular)
         return scatter_reference(past_cache, update, positions, ax, out, in_place)
 
     dst = flat_units(out, unit, out_flags)
     kernels = _kernels or _scatter_kernels()
     kernel = kernels.scatter_parallel if n_bytes >= PARALLEL_MIN_BYTES else kernels.scatter_serial
-    bad_row, bad_index = kernel(dst, flat_units(update, unit, update_flags),
-                                dst if in_place else flat_units(src, unit), plan, starts, circular)
-    if bad_row >= 0:  # the kernel checked the indices and wrote nothing
-        raise _index_error(bad_row, bad_index, seq_len, max_seq)
+    kernel(dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
+           plan, starts, circular)
     return out
 
 
@@ -173,18 +173,16 @@ def _check_layout(shape, update_shape, dtype, update_dtype, axis):
 
 
 def _start_indices(write_indices, batch):
-    """``write_indices`` as an int64 array of shape ``(batch,)`` (the wrapper
-    passes an int64 array of that shape straight on: the kernel copies it)."""
+    """``write_indices`` as a new int64 array of shape ``(batch,)``."""
     if write_indices is None:
         return np.zeros(batch, np.int64)
     return index_vector(write_indices, "write_indices", batch)
 
 
-def _write_positions(starts, seq_len, max_seq, circular):
-    """Each batch row's start position in ``[0, max_seq)`` as a list, or the
-    ``ValueError`` naming the first row out of range (what the kernel checks
-    for itself)."""
-    values = starts.tolist()
+def _write_positions(values, seq_len, max_seq, circular):
+    """Each batch row's start position (``values``, a list) in ``[0, max_seq)``,
+    or the ``ValueError`` naming the first row whose linear write falls
+    outside the cache."""
     if circular:
         return [w % max_seq for w in values] if max_seq else values
     for b, w in enumerate(values):

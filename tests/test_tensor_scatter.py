@@ -579,8 +579,8 @@ BAD = [
 @pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
 @pytest.mark.parametrize("case, exc, message", [pytest.param(k, e, m, id=i) for i, k, e, m in BAD])
 def test_bad_input(case, exc, message, reference, monkeypatch):
-    """Through the kernel path (which checks the write indices itself) and the
-    NumPy reference path (checked in Python): the same error, nothing written."""
+    """Through the kernel path and the NumPy reference path: the same error,
+    nothing written."""
     monkeypatch.setattr(_config, "REFERENCE", reference)
     case = dict(case)
     past = case.pop("past", None)
@@ -611,13 +611,10 @@ def test_bad_input_on_a_strided_cache_leaves_it_unchanged(rng):
         assert same_bits(buf, before)
 
 
-@pytest.mark.parametrize("path", ["serial", "parallel"])
 @pytest.mark.parametrize("form", ["functional", "out=other", "in place"])
-def test_kernel_checks_indices_before_writing(form, path, rng, monkeypatch):
-    """The wrapper passes an int64 ``write_indices`` straight to the kernel,
-    which checks every row before it writes: a bad last row fails the call
-    with neither the cache nor ``out`` touched."""
-    monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", 0 if path == "parallel" else HUGE)
+def test_bad_indices_fail_before_the_kernel_runs(form, rng, monkeypatch):
+    """A bad row anywhere, the last one too, fails the call before any kernel
+    runs: neither the cache nor ``out`` is touched."""
     calls = spy_kernels(monkeypatch)
     past = random_values(rng, (4, 3, 10, 2), np.float32)
     out = {"functional": None, "out=other": random_values(rng, past.shape, past.dtype), "in place": past}[form]
@@ -630,7 +627,27 @@ def test_kernel_checks_indices_before_writing(form, path, rng, monkeypatch):
         assert same_bits(past, past_before)
         if out is not None:
             assert same_bits(out, out_before)
-    assert calls[path] == 3
+    assert calls == {"serial": 0, "parallel": 0}
+    numkv.tensor_scatter(past, _update(), np.array([0, 1, 2, 6], np.int64), out=out)  # the spy works
+    assert calls["serial"] + calls["parallel"] == 1
+
+
+def test_the_kernel_reads_a_private_copy_of_write_indices(rng, monkeypatch):
+    """The kernels run without the GIL: what they read must be the checked copy,
+    never the caller's array (which another thread could change)."""
+    seen = []
+    kernel = scatter_kernels.scatter_serial
+
+    def spy(*args):
+        seen.append(args[4])
+        return kernel(*args)
+
+    monkeypatch.setattr(_config, "REFERENCE", False)
+    monkeypatch.setattr(scatter_kernels, "scatter_serial", spy)
+    past = random_values(rng, (2, 3, 10, 2), np.float32)
+    w = np.array([1, 2], np.int64)
+    numkv.tensor_scatter(past, random_values(rng, (2, 3, 1, 2), np.float32), w, out=past)
+    assert seen and not np.shares_memory(seen[0], w)
 
 
 @pytest.mark.parametrize("case", [
@@ -729,9 +746,9 @@ def test_property_in_place_equals_functional(case):
 
 
 def test_write_indices_of_any_layout_reuse_the_compiled_kernel(rng, monkeypatch):
-    """An int64 ``write_indices`` goes straight to the kernel only in the layout
-    it is compiled for: read-only, strided or broadcast ones are converted, not
-    compiled for (~1.5 s each)."""
+    """The kernel gets a contiguous int64 copy of ``write_indices``, whatever
+    its layout: read-only, strided, broadcast or byte-swapped ones compile no
+    variant of their own (~1.5 s each)."""
     monkeypatch.setattr(_config, "REFERENCE", False)
     past = random_values(rng, (2, 3, 16, 4), np.float32)
     update = random_values(rng, (2, 3, 1, 4), np.float32)

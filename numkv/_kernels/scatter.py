@@ -19,10 +19,9 @@ so any strides (transposed, sliced, negative) are read in place.  With
 with unit stride.
 
 Preconditions (checked by the wrapper): every offset is in bounds,
-``write_indices`` has one entry per batch row, ``dst`` overlaps neither ``upd``
-nor ``src``.  The write indices themselves are checked here, before anything
-is written (a 1-token append is pure call overhead, and this loop is the
-cheapest place for it): a linear write must lie in ``[0, max_seq - seq_len]``.
+``write_indices`` is a private int64 copy with one entry per batch row, in
+linear mode ``0 <= write_indices[b] <= max_seq - seq_len``; ``dst`` overlaps
+neither ``upd`` nor ``src``.
 
 Parallel strategy: one work item per (prefix row, chunk of written sequence
 positions), chunks sized by the wrapper to move ~64 KiB; items are independent.
@@ -40,9 +39,7 @@ HEADER = 10
 
 @jit(inline=True)
 def _scatter_body(dst, upd, src, plan, write_indices, circular):
-    """Write ``upd`` into ``dst`` at ``(write_indices[b] + i) % max_seq`` and
-    return ``(-1, 0)``; or, writing nothing, return the first batch row whose
-    linear write index is out of range and that index.
+    """Write ``upd`` into ``dst`` at ``(write_indices[b] + i) % max_seq``.
 
     ``copy_all`` 0: only the ``seq_len`` updated positions of each row are
     written (in place, O(update)).  ``copy_all`` 1: every position is written,
@@ -52,15 +49,6 @@ def _scatter_body(dst, upd, src, plan, write_indices, circular):
     n_rows, n_cols, seq_len, max_seq = plan[0], plan[1], plan[2], plan[3]
     copy_all, contiguous = plan[4] != 0, plan[5] != 0
     dst_seq, upd_seq, src_seq, chunk = plan[6], plan[7], plan[8], plan[9]
-    # A private copy: the caller's array could change while the GIL is released.
-    write_at = np.empty(write_indices.shape[0], np.int64)
-    for b in range(write_at.shape[0]):
-        w = write_indices[b]
-        if circular:
-            w %= max_seq  # Python's modulo: negative indices count from the end
-        elif w < 0 or w > max_seq - seq_len:
-            return b, w
-        write_at[b] = w
     # Where the plan's tables start (indexing the plan itself, not slices of
     # it, spares a 1-token append ~10% of its time).
     rows = HEADER
@@ -80,7 +68,9 @@ def _scatter_body(dst, upd, src, plan, write_indices, circular):
             p = k // n_chunks
             pos = (k - p * n_chunks) * chunk
         stop = min(n_pos, pos + chunk)
-        start = write_at[plan[batch_of + p]]
+        start = write_indices[plan[batch_of + p]]
+        if circular:
+            start %= max_seq  # Python's modulo: negative indices count from the end
         while pos < stop:
             # The longest run of positions from one source that does not wrap.
             if copy_all:
@@ -123,7 +113,6 @@ def _scatter_body(dst, upd, src, plan, write_indices, circular):
                 else:
                     _gather_units(dst, d, src, a, plan, cols, a_cols, n_cols)
             pos += run
-    return -1, 0
 
 
 @jit(inline=True)
@@ -149,9 +138,9 @@ def _gather_units(dst, d0, a, a0, plan, dst_cols, a_cols, n_cols):
 # so two builds of one function would load each other's code from the cache.
 @jit()
 def scatter_serial(dst, upd, src, plan, write_indices, circular):
-    return _scatter_body(dst, upd, src, plan, write_indices, circular)
+    _scatter_body(dst, upd, src, plan, write_indices, circular)
 
 
 @jit(parallel=True)
 def scatter_parallel(dst, upd, src, plan, write_indices, circular):
-    return _scatter_body(dst, upd, src, plan, write_indices, circular)
+    _scatter_body(dst, upd, src, plan, write_indices, circular)
