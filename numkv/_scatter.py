@@ -110,13 +110,12 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
         starts = starts.copy()
     else:
         starts = _start_indices(write_indices, past_cache.shape[0])
-    if not circular:
-        values = starts.tolist()
-        if values and (min(values) < 0 or max(values) > max_seq - seq_len):
-            _write_positions(values, seq_len, max_seq, circular)  # raises, naming the row
+    values = starts.tolist()
+    if not circular and values and (min(values) < 0 or max(values) > max_seq - seq_len):
+        _write_positions(values, seq_len, max_seq, circular)  # raises, naming the first bad row
 
     if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
-        positions = _write_positions(starts.tolist(), seq_len, max_seq, circular)
+        positions = _write_positions(values, seq_len, max_seq, circular)
         return scatter_reference(past_cache, update, positions, ax, out, in_place)
 
     dst = flat_units(out, unit, out_flags)
