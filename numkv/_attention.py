@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _config
+from . import _config, _threads
 from ._dtypes import ATTENTION_DTYPES, FLOAT8_TYPES, kernel_operand
 from ._validate import as_array, as_float, as_int, index_vector
 
@@ -28,16 +28,16 @@ TARGET_ITEMS = 64
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS = 1 << 16
 
-_kernel = None
+_kernels = None
 
 
-def _attention_kernel():
-    global _kernel
-    if _kernel is None:
-        from ._kernels.attention import run_attention
+def _attention_kernels():
+    global _kernels
+    if _kernels is None:
+        from ._kernels import attention as kernels
 
-        _kernel = run_attention
-    return _kernel
+        _kernels = kernels
+    return _kernels
 
 
 def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None,
@@ -149,14 +149,17 @@ def run(call, block_q=None, block_k=None, kv_chunk=None):
         [*operands["q"][2], *operands["past_k"][2], *operands["k"][2],
          *operands["past_v"][2], *operands["v"][2], *m_strides, *y_strides], np.int64)
     floats = np.array([call.scale, call.softcap], call.acc_dtype)  # scalars typed like the scores
-    # Work below this many multiply-adds runs on one thread (see run_attention).
-    single_thread = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
-    _attention_kernel()(
-        single_thread, operands["q"][0], operands["q"][3],
+    # The tiniest calls cost less than a parallel launch, which on an
+    # oversubscribed machine (OpenMP threads spinning) cost 23 ms against
+    # 0.5 ms on one thread.
+    small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
+    kernels = _attention_kernels()
+    _threads.launch(kernels.attention_parallel, kernels.attention_serial, (
+        operands["q"][0], operands["q"][3],
         operands["past_k"][0], operands["k"][0], operands["k"][3],
         operands["past_v"][0], operands["v"][0], operands["v"][3],
         m_flat, y_flat, ints, strides, floats, call.offset, call.valid,
-    )
+    ), small)
     return call.finish(y)
 
 

@@ -8,7 +8,7 @@ tests can force with ``_config.REFERENCE``.
 
 import numpy as np
 
-from . import _config
+from . import _config, _threads
 from ._dtypes import ALIGNED_UNITS, flat_units, is_scatter_dtype, unit_size
 from ._validate import as_array, as_int, index_vector, normalize_axis, output_array
 
@@ -120,9 +120,12 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
 
     dst = flat_units(out, unit, out_flags)
     kernels = _kernels or _scatter_kernels()
-    kernel = kernels.scatter_parallel if n_bytes >= PARALLEL_MIN_BYTES else kernels.scatter_serial
-    kernel(dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
-           plan, starts, circular)
+    args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
+            plan, starts, circular)
+    if n_bytes >= PARALLEL_MIN_BYTES:
+        _threads.launch(kernels.scatter_parallel, kernels.scatter_serial, args)
+    else:  # small copies: the serial kernel (cheaper than any parallel launch)
+        kernels.scatter_serial(*args)
     return out
 
 

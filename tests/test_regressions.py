@@ -46,7 +46,7 @@ def test_layer_zero_length_input():
 
 
 def test_read_only_inputs_reuse_the_compiled_kernel():
-    from numkv._kernels.attention import attention_kernel
+    from numkv._kernels.attention import attention_parallel as attention_kernel
 
     q = np.random.default_rng(0).standard_normal((1, 2, 3, 4), dtype=np.float32)
     numkv.attention(q, q, q)

@@ -34,7 +34,6 @@ bounds, ``0 <= valid[b] <= T``, tile sizes >= 1, ``Hq % Hkv == 0``.
 
 import math
 
-import numba
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
@@ -114,6 +113,7 @@ def _load_rows(tile, first, stop, buf, base, seq_stride, stride, table):
                 tile[first + t, d] = widen(buf, np.uint64(base + t * seq_stride + d * stride), table)
 
 
+@jit(inline=True)
 def _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
                     ints, st, floats, offset, valid):
     # Only the work-item loops are parallel: numba's parfor passes then see a
@@ -332,23 +332,14 @@ def _write_row(y, base, stride, acc_row, total):
         y[base + d * stride] = acc_row[d] * inv
 
 
-attention_kernel = jit(parallel=True)(_attention_body)
+# Two entry points (a parallel build and its serial twin) rather than
+# ``jit(...)(_attention_body)`` twice: numba's disk cache keys a kernel by its
+# Python function and signature, not by its flags (see _kernels/scatter.py).
+@jit(parallel=True)
+def attention_parallel(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid):
+    _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid)
 
 
-def run_attention(single_thread, *args):
-    """Call the kernel; ``single_thread`` runs its parallel loop on one thread.
-
-    The tiniest calls cost less than a parallel launch, which on an
-    oversubscribed machine (OpenMP threads spinning) cost 23 ms against 0.5 ms
-    on one thread; limiting the thread count reuses the one compiled kernel
-    (a serial twin would double the compile time).
-    """
-    if not single_thread:
-        attention_kernel(*args)
-        return
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        attention_kernel(*args)
-    finally:
-        numba.set_num_threads(threads)
+@jit()
+def attention_serial(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid):
+    _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid)
