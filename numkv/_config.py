@@ -49,27 +49,23 @@ REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
 
 
 def threads():
-    """numba's thread count for the calling Python thread."""
-    import numba
+    """The number of threads numkv's kernels use."""
+    from . import _thread_limits
 
-    return numba.get_num_threads()
+    return _thread_limits.current()
 
 
 def set_threads(n):
-    """Set numba's thread count for the calling Python thread (the library
-    itself never does; the command line does, for ``--threads``)."""
-    import numba
+    """Set the number of threads numkv's kernels use (the library itself never
+    does; the command line does, for ``--threads``)."""
+    from . import _thread_limits
 
-    numba.set_num_threads(n)
+    _thread_limits.set_current(n)
 
 
 def runtime_info():
-    """``(numba version, threads, threading layer)``; the layer is known once
-    a parallel kernel has run."""
+    """``(numba version, threads, threading)``: numkv runs its kernels on its
+    own thread pool, never numba's threading layer."""
     import numba
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:
-        layer = "not started"
-    return numba.__version__, numba.get_num_threads(), layer
+    return numba.__version__, threads(), "numkv pool (numba nogil kernels)"
