@@ -222,6 +222,35 @@ def test_import_numkv_and_its_cli_import_no_plotting_or_peers():
     assert out.strip() == "[]"
 
 
+# -- --plot ------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_plot(tiny_bench, monkeypatch):
+    from numkv import _cli_plot
+
+    panels = (_cli_plot.Panel("decode", "keys", lambda n: Workload("decode", 1, 4, 2, 1, n, 8), (16, 32)),
+              _cli_plot.Panel("prefill", "seq", lambda n: Workload("causal prefill", 1, 4, 2, n, n, 8, True), (8, 16)))
+    monkeypatch.setattr(_cli_plot, "PANELS", panels)
+    return _cli_plot
+
+
+def test_plot_writes_a_png(tiny_plot, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    main(["bench", "--plot", str(path), "--quick"])
+    out = capsys.readouterr().out
+    assert "[plot 1/4]" in out and "[plot 4/4]" in out and f"wrote {path}" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tiny_plot, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(SystemExit, match=r"numkv\[plot\]"):
+        main(["bench", "--plot", str(tmp_path / "x.png")])
+    assert not (tmp_path / "x.png").exists()
+
+
 def _spin(seconds):
     import time
 
