@@ -24,6 +24,8 @@ Method
   rate; a decode line the bytes it must move (the attended K and V rows, read
   once, plus Q and Y, in the dtypes that implementation is given) per second as
   a % of the read bandwidth.  Peers get the same formula for the same work.
+  Above 100 %: a peer's own GEMM (MKL, MLAS) beats NumPy's BLAS, K/V partly
+  sat in cache, or the limit was measured in a slow spell of a shared machine.
 * The run ends with a summary: per case, numkv's time, the fastest other
   implementation and its time, their ratio and both % of limit.
 
