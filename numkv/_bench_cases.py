@@ -350,7 +350,7 @@ def _ort_impl(w, wide, dtype_name, threads):
 
     def make():
         session = ort_session(attention_model(w, dtype_name), threads)
-        feed = dict(zip("QKV", (a.astype(_dtype(dtype_name)) for a in wide)))
+        feed = dict(zip("QKV", (a.astype(_dtype(dtype_name), copy=False) for a in wide)))
         if w.nonpad is not None:
             feed["nonpad_kv_seqlen"] = w.valid_lengths()
         if dtype_name == "bfloat16":  # numpy has no bfloat16: hand over the bits
@@ -401,7 +401,7 @@ def _torch_tensor(a, dtype_name):
         import ml_dtypes
 
         return torch.from_numpy(a.astype(ml_dtypes.bfloat16).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a.astype(_dtype(dtype_name))))
+    return torch.from_numpy(np.ascontiguousarray(a.astype(_dtype(dtype_name), copy=False)))
 
 
 def keep_mask(w):
@@ -573,8 +573,8 @@ def scatter_cases(threads=None):
             for form in titles]
 
 
-def default_cases(threads=None, min_samples=5):
+def default_cases(threads=None):
     """Every case of ``python -m numkv bench``, in the order they run."""
     loads = prefill_workloads() + decode_workloads()
-    return [attention_case(w, threads, min_samples=min_samples) for w in loads] + scatter_cases(threads)
+    return [attention_case(w, threads) for w in loads] + scatter_cases(threads)
 

@@ -355,7 +355,7 @@ def run(args):
 
         return _cli_plot.run(args)
     settings = Settings.from_args(args)
-    every_case = _bench_cases.default_cases(args.threads, settings.min_samples)
+    every_case = _bench_cases.default_cases(args.threads)
     cases = _bench_cases.select(every_case, args.only)
     if args.list:
         print(case_list(cases))

@@ -163,8 +163,8 @@ def tiny_bench(monkeypatch):
     records when the compile hook runs relative to the first case."""
     events = []
 
-    def cases(threads=None, min_samples=5):
-        made = [_bench_cases.attention_case(w, threads, peers=("numkv", "numpy"), min_samples=min_samples)
+    def cases(threads=None):
+        made = [_bench_cases.attention_case(w, threads, peers=("numkv", "numpy"))
                 for w in (tiny_prefill(), tiny_decode(), tiny_decode(nonpad=(3, 32)))]
         for case in made:
             build = case.build
