@@ -162,7 +162,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     (mask_flat, *mask_desc), (y_flat, *y_desc) = (flat_view(a, call.acc_dtype) for a in (mask, y4))
     desc[kernels.T_MASK, :5] = (mask_desc[0], *mask_desc[1])
     desc[kernels.T_Y, :5] = (y_desc[0], *y_desc[1])
-    floats = np.array([math.sqrt(call.scale), call.softcap], call.acc_dtype)
+    floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
 
     n_items = b * hkv * n_units
     rows = group * block_q
@@ -182,6 +182,18 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         _threads.run(kernels.attention_merge, n_items, (y_flat, ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
     return call.finish(y)
+
+
+def _scale_factors(scale, dtype):
+    """``(q_scale, score_scale)``: Q is multiplied by the first, the scores by
+    the second.  The reference multiplies Q and K by ``sqrt(scale)`` each; one
+    factor on Q does the same where ``scale`` itself is a normal number of the
+    accumulation dtype, and costs no pass over the scores."""
+    info = np.finfo(dtype)
+    if scale == 0 or info.tiny <= abs(scale) <= info.max:
+        return scale, 1.0
+    root = math.sqrt(scale)
+    return root, root
 
 
 def _fields(names, **values):

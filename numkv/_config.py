@@ -21,16 +21,19 @@ CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
 FASTMATH = frozenset({"reassoc", "contract"})
 
 
-def jit(parallel=False, reassociate=False, inline=False):
+def jit(parallel=False, reassociate=False, contract=False, inline=False):
     """A lazy ``numba.njit`` (no signatures: nothing compiles at import);
-    ``reassociate`` enables exactly the ``FASTMATH`` flags; ``inline`` inlines
-    a small helper into its callers (no call, no reference counting of its
-    array arguments)."""
+    ``reassociate`` enables exactly the ``FASTMATH`` flags, ``contract`` only
+    the fusing of a multiply and an add into one FMA (no reordering);
+    ``inline`` inlines a small helper into its callers (no call, no reference
+    counting of its array arguments)."""
     import numba
 
     options = dict(nogil=True, parallel=parallel, error_model="numpy")
     if reassociate:
         options["fastmath"] = set(FASTMATH)
+    elif contract:
+        options["fastmath"] = {"contract"}
     if inline:
         options["inline"] = "always"
 

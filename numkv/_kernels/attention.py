@@ -79,8 +79,8 @@ T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
 TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
 BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
 
-FLOAT_FIELDS = ("sqrt_scale", "softcap")
-SQRT_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
+FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
+Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -101,6 +101,22 @@ def _float32_from_bits(typingctx, bits):
         return builder.bitcast(low, context.get_value_type(types.float32))
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _maximum(typingctx, a, b):
+    """``llvm.maximum``: the larger of two floats, NaN if either is NaN.  A
+    running maximum of it vectorises (a compare-and-select one stays scalar),
+    and a NaN among the values shows in the result."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        t = args[0].type
+        return builder.call(builder.module.declare_intrinsic("llvm.maximum", [t], ir.FunctionType(t, [t, t])),
+                            args)
+
+    return a(a, b), codegen
 
 
 # (shift, scale, inf/NaN exponent field or 0, NaN magnitude or -1, NaN pattern or -1)
@@ -137,49 +153,52 @@ def _decode_bits(x, sign_bit, shift, scale, infnan, nan_em, nan_x):
 def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
     """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
     ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
-    dtype.  One loop per dtype, each simple enough for LLVM to vectorise."""
+    dtype.  One loop per dtype, each simple enough for LLVM to vectorise;
+    unsigned element indices spare numba's negative-index wraparound (which
+    kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
+    step = np.uint64(stride)
     if code == F32:
         src32 = buf.view(np.float32)
         for t in range(n):
-            at = base + t * seq_stride
+            at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = src32[at + c * stride]
+                dst[r0 + t, c] = src32[at + np.uint64(c) * step]
     elif code == F64:
         src64 = buf.view(np.float64)
         for t in range(n):
-            at = base + t * seq_stride
+            at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = src64[at + c * stride]
+                dst[r0 + t, c] = src64[at + np.uint64(c) * step]
     elif code == BF16:  # bfloat16 is float32's upper half
         src16 = buf.view(np.uint16)
         for t in range(n):
-            at = base + t * seq_stride
+            at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = _float32_from_bits(np.uint32(src16[at + c * stride]) << np.uint32(16))
+                dst[r0 + t, c] = _float32_from_bits(np.uint32(src16[at + np.uint64(c) * step]) << 16)
     elif code == F16:
         src16 = buf.view(np.uint16)
         shift, scale = np.uint32(formats[code, 0]), np.float32(formats[code, 1])
         infnan = np.uint32(formats[code, 2])
         for t in range(n):
-            at = base + t * seq_stride
+            at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = _decode_bits(src16[at + c * stride], 0x8000, shift, scale, infnan,
-                                              np.uint32(0xFFFFFFFF), np.uint32(0xFFFFFFFF))
+                dst[r0 + t, c] = _decode_bits(src16[at + np.uint64(c) * step], 0x8000, shift, scale,
+                                              infnan, np.uint32(0xFFFFFFFF), np.uint32(0xFFFFFFFF))
     elif code == E8M0:  # a power of two per byte, no sign: a 256-entry table (in L1)
         for t in range(n):
-            at = base + t * seq_stride
+            at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = table[buf[at + c * stride]]
+                dst[r0 + t, c] = table[buf[at + np.uint64(c) * step]]
     else:  # the other float8s: one parametrised loop
         shift, scale = np.uint32(formats[code, 0]), np.float32(formats[code, 1])
         infnan = np.uint32(formats[code, 2])
         nan_em = np.uint32(formats[code, 3]) if formats[code, 3] >= 0 else np.uint32(0xFFFFFFFF)
         nan_x = np.uint32(formats[code, 4]) if formats[code, 4] >= 0 else np.uint32(0xFFFFFFFF)
         for t in range(n):
-            at = base + t * seq_stride
+            at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = _decode_bits(buf[at + c * stride], 0x80, shift, scale, infnan,
-                                              nan_em, nan_x)
+                dst[r0 + t, c] = _decode_bits(buf[at + np.uint64(c) * step], 0x80, shift, scale,
+                                              infnan, nan_em, nan_x)
 
 
 @jit(inline=True)
@@ -371,9 +390,9 @@ def _row_sum(s, r, n):
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
-@jit()
+@jit(contract=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
-                  mask_stride_j, mask_stride_g, softcap, sqrt_scale, m, l, alpha, bad):
+                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad):
     """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
     place) and fold them into each row's running max ``m`` and sum ``l``;
     ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
@@ -382,13 +401,15 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
     the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
     """
     inf = np.inf
+    flat = s.reshape(rows * n)
+    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
+        for t in range(rows * n):
+            flat[t] *= score_scale
+    if softcap > 0.0:  # ONNX: the softcap comes before the mask
+        for t in range(rows * n):
+            flat[t] = softcap * math.tanh(flat[t] / softcap)
     for r in range(rows):
         i = r % nq
-        for j in range(n):
-            s[r, j] *= sqrt_scale  # the reference scales Q and K by sqrt(scale) each
-        if softcap > 0.0:  # ONNX: the softcap comes before the mask
-            for j in range(n):
-                s[r, j] = softcap * math.tanh(s[r, j] / softcap)
         if edge:
             first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
             for j in range(n):
@@ -401,15 +422,12 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
                     s[r, j] = -inf if bias == -inf else s[r, j] + bias
         m_old = m[r]
         m_new = m_old
-        flagged = False
         for j in range(n):
-            x = s[r, j]
-            if x > m_new:
-                m_new = x
-            flagged |= not x < inf  # NaN or +inf among the attended scores
-        if flagged:
-            bad[r] = True
-        if m_new == -inf:  # nothing attended yet: no weights, nothing to rescale
+            m_new = _maximum(m_new, s[r, j])
+        # NaN or +inf among the attended scores (masked ones are -inf) makes
+        # the row NaN; nothing attended yet: no weights, nothing to rescale.
+        if not m_new < inf or m_new == -inf:
+            bad[r] |= m_new != -inf
             for j in range(n):
                 s[r, j] = 0.0
             alpha[r] = 1.0
@@ -475,7 +493,7 @@ def _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, 
     n_ch, n_qt = ints[N_CHUNKS], ints[N_Q_TILES]
     group = ints[Q_HEADS] // ints[KV_HEADS]
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
-    sqrt_scale, softcap = floats[SQRT_SCALE], floats[SOFTCAP]
+    q_scale, score_scale, softcap = floats[Q_SCALE], floats[SCORE_SCALE], floats[SOFTCAP]
     has_mask = ints[HAS_MASK] != 0
     acc_code = _code_of(y)
     split = n_ch > 1
@@ -510,7 +528,7 @@ def _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, 
                             desc[T_Q, STRIDE_D], table, formats)
             for r in range(rows):
                 for d in range(d_k):
-                    qt[r, d] *= sqrt_scale
+                    qt[r, d] *= q_scale
             mask_base = -1
             if has_mask:
                 mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
@@ -531,7 +549,7 @@ def _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, 
                         edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                     _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                   desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
-                                  desc[T_MASK, STRIDE_H], softcap, sqrt_scale, m, l, alpha, bad)
+                                  desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad)
                     vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
                     skip_masked = edge and not _all_finite(vt)
                     _accumulate(s, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked)
