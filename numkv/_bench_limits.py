@@ -7,8 +7,8 @@ start of each run (on a shared machine they move with the load, like the cases).
   machine's vector units reach on well-blocked arithmetic; a prefill's FLOPs
   per second is quoted against it, whatever its dtype (float32 is the rate the
   kernels accumulate at).
-* **Read bandwidth**: a parallel sum (numba ``prange``, every numba thread:
-  the runtime numkv's kernels run on) over a float32 array of 512 MiB, far
+* **Read bandwidth**: a parallel sum (on numkv's threads, as its kernels
+  run) over a float32 array of 512 MiB, far
   beyond any cache; bytes read per second, median of a few passes after a
   warm-up one (which also compiles the sum).  A decode step's bytes per second
   are quoted against it.  A sum reads and barely computes, so it is the most a
@@ -22,9 +22,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from numba import prange
 
-from ._config import jit
+from . import _threads
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class MachineLimits:
     def describe(self):
         return (f"fp32 GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s ({self.gemm_n}^3 np.dot), "
                 f"read bandwidth {self.read_bytes / 1e9:.1f} GB/s "
-                f"(numba prange sum over {self.read_nbytes >> 20} MiB float32)")
+                f"(a sum over {self.read_nbytes >> 20} MiB float32 on numkv's threads)")
 
 
 def _median_seconds(fn, repeats):
@@ -63,30 +62,14 @@ def gemm_rate(n=2048, repeats=5):
     return 2.0 * n ** 3 / _median_seconds(lambda: np.dot(a, b, out=c), repeats)
 
 
-LANES = 64  # independent float32 accumulators per chunk
-
-
-@jit(parallel=True, reassociate=True)
-def _chunk_sums(rows, out):
-    """``out[c]`` = the sum of the ``c``-th of ``len(out)`` equal chunks of the
-    ``(n, LANES)`` array ``rows``.  One running sum per column: a single scalar
-    accumulator does not vectorise, and the sum then runs at a quarter of
-    NumPy's single-threaded ``a.sum()`` (measured: 5.7 vs 22.8 GB/s on 2 cores)."""
-    chunks = out.shape[0]
-    step = (rows.shape[0] + chunks - 1) // chunks
-    for c in prange(chunks):
-        acc = np.zeros(rows.shape[1], np.float32)
-        for r in range(c * step, min(rows.shape[0], (c + 1) * step)):
-            for j in range(rows.shape[1]):
-                acc[j] += rows[r, j]
-        out[c] = acc.sum()
-
-
 def read_bandwidth(nbytes=512 << 20, repeats=5):
     """Bytes/s of a parallel sum over a float32 array of ``nbytes``."""
+    from ._kernels.memory import LANES, chunk_sums
+
     rows = np.ones((nbytes // (4 * LANES), LANES), np.float32)  # written once: every page faulted in
     partial = np.empty(256, np.float32)  # many chunks per thread: no thread idles at the end
-    return rows.nbytes / _median_seconds(lambda: _chunk_sums(rows, partial), repeats)
+    return rows.nbytes / _median_seconds(lambda: _threads.run(chunk_sums, len(partial), (rows, partial)),
+                                         repeats)
 
 
 def measure_limits(gemm_n=2048, read_nbytes=512 << 20, repeats=5):
