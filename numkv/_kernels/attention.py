@@ -280,38 +280,56 @@ def _exp_impl(x):
 
 @jit(reassociate=True)
 def _scores(qt, kt, s, rows, n, use_blas):
-    """``s[:rows, :n] = qt kt^T``: BLAS for many rows, else four keys per pass
-    over a query row (one load of q feeds four vectorised dot products)."""
+    """``s[:rows, :n] = qt kt^T``: BLAS for many rows, else a loop that scores
+    two query rows against four keys per pass over ``d`` (six loads feed
+    eight vectorised FMAs; one row against one key is load-bound at two loads
+    per FMA).  A pass past the last row or key repeats it: every score then
+    comes from the same vectorised sum, so its bits depend neither on the
+    number of rows (GQA equals MHA with K/V repeated) nor on the tile's length
+    (a masked key at its end changes nothing)."""
     if use_blas:
         np.dot(qt, kt.T, s)
         return
     d_k = qt.shape[1]
-    for r in range(rows):
-        j = 0
-        while j + 4 <= n:
-            q0 = qt[r, 0]
-            a0, a1, a2, a3 = q0 * kt[j, 0], q0 * kt[j + 1, 0], q0 * kt[j + 2, 0], q0 * kt[j + 3, 0]
-            for d in range(1, d_k):
-                qd = qt[r, d]
-                a0 += qd * kt[j, d]
-                a1 += qd * kt[j + 1, d]
-                a2 += qd * kt[j + 2, d]
-                a3 += qd * kt[j + 3, d]
-            s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3] = a0, a1, a2, a3
-            j += 4
-        while j < n:
-            a = qt[r, 0] * kt[j, 0]
-            for d in range(1, d_k):
-                a += qt[r, d] * kt[j, d]
-            s[r, j] = a
-            j += 1
+    zero = s.dtype.type(0.0)
+    for r in range(0, rows, 2):
+        r1 = min(r + 1, rows - 1)
+        for j in range(0, n, 4):
+            j1, j2, j3 = min(j + 1, n - 1), min(j + 2, n - 1), min(j + 3, n - 1)
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
+            for d in range(d_k):
+                q0, q1 = qt[r, d], qt[r1, d]
+                k0, k1, k2, k3 = kt[j, d], kt[j1, d], kt[j2, d], kt[j3, d]
+                a0 += q0 * k0
+                a1 += q0 * k1
+                a2 += q0 * k2
+                a3 += q0 * k3
+                b0 += q1 * k0
+                b1 += q1 * k1
+                b2 += q1 * k2
+                b3 += q1 * k3
+            # Stored last to first: a repeated row or key is overwritten by
+            # the same value.
+            s[r1, j3], s[r1, j2], s[r1, j1], s[r1, j] = b3, b2, b1, b0
+            s[r, j3], s[r, j2], s[r, j1], s[r, j] = a3, a2, a1, a0
 
 
-@jit(reassociate=True)
+@jit(inline=True)
+def _weighted4(p, r, j):
+    """Whether keys ``j .. j + 4`` all have a nonzero weight in row ``r``."""
+    return p[r, j] != 0 and p[r, j + 1] != 0 and p[r, j + 2] != 0 and p[r, j + 3] != 0
+
+
+@jit(contract=True)
 def _accumulate(p, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked):
     """``acc = alpha acc + p vt`` per row.  The loop kernel leaves keys of
     weight 0 out (a masked key's V may hold inf or NaN, and 0 * inf is NaN);
-    so does BLAS' product, which is skipped for the loop, with ``skip_masked``."""
+    BLAS' product cannot, so ``skip_masked`` sends a tile to the loop.
+
+    The loop adds one key after another to each element (an FMA chain, no
+    reassociation), whichever keys and rows it groups per pass: a row's bits
+    do not depend on its neighbours.  Passes take two rows and four keys (four
+    loads of V and two loads and stores of acc feed eight FMAs)."""
     d_v = acc.shape[1]
     for r in range(rows):
         a = alpha[r]
@@ -324,22 +342,41 @@ def _accumulate(p, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked):
             for d in range(d_v):
                 acc[r, d] += tmp[r, d]
         return
-    for r in range(rows):
-        # Four keys per pass over the row (one load/store of acc per four FMAs).
-        j = 0
-        while j < n:
-            if (j + 4 <= n and p[r, j] != 0 and p[r, j + 1] != 0 and p[r, j + 2] != 0
-                    and p[r, j + 3] != 0):
-                p0, p1, p2, p3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
+    for r in range(0, rows, 2):
+        two = r + 1 < rows
+        for j in range(0, n, 4):
+            if j + 4 <= n and two and _weighted4(p, r, j) and _weighted4(p, r + 1, j):
+                a0, a1, a2, a3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
+                b0, b1, b2, b3 = p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3]
                 for d in range(d_v):
-                    acc[r, d] += p0 * vt[j, d] + p1 * vt[j + 1, d] + p2 * vt[j + 2, d] + p3 * vt[j + 3, d]
-                j += 4
-            else:
-                pj = p[r, j]
-                if pj != 0:
+                    v0, v1, v2, v3 = vt[j, d], vt[j + 1, d], vt[j + 2, d], vt[j + 3, d]
+                    x, y = acc[r, d], acc[r + 1, d]
+                    x += a0 * v0
+                    y += b0 * v0
+                    x += a1 * v1
+                    y += b1 * v1
+                    x += a2 * v2
+                    y += b2 * v2
+                    x += a3 * v3
+                    y += b3 * v3
+                    acc[r, d], acc[r + 1, d] = x, y
+                continue
+            for rr in range(r, r + 1 + two):
+                if j + 4 <= n and _weighted4(p, rr, j):
+                    a0, a1, a2, a3 = p[rr, j], p[rr, j + 1], p[rr, j + 2], p[rr, j + 3]
                     for d in range(d_v):
-                        acc[r, d] += pj * vt[j, d]
-                j += 1
+                        x = acc[rr, d]
+                        x += a0 * vt[j, d]
+                        x += a1 * vt[j + 1, d]
+                        x += a2 * vt[j + 2, d]
+                        x += a3 * vt[j + 3, d]
+                        acc[rr, d] = x
+                    continue
+                for jj in range(j, min(j + 4, n)):
+                    w = p[rr, jj]
+                    if w != 0:
+                        for d in range(d_v):
+                            acc[rr, d] += w * vt[jj, d]
 
 
 @jit()
