@@ -502,103 +502,93 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     """Work items ``first .. stop``.  An item ``(b, kv_head, unit, chunk)``
     covers all ``G`` heads of the kv head for a pair of query tiles over every
     key, or for one query tile over one chunk of keys (its partial softmax then
-    goes to ``part_*``, for ``attention_merge``)."""
-    n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
-    rows, bq, bk = ints[Q_HEADS] // ints[KV_HEADS] * ints[BLOCK_Q], ints[BLOCK_Q], ints[BLOCK_K]
-    d_k, d_v = ints[HEAD_SIZE], ints[V_HEAD_SIZE]
-    dt = y.dtype
-    # Scratch for one item at a time, allocated once per share of items.
-    qbuf, kbuf, vbuf = np.empty(rows * d_k, dt), np.empty(bk * d_k, dt), np.empty(bk * d_v, dt)
-    sbuf, tmpbuf = np.empty(rows * bk, dt), np.empty(rows * d_v, dt)
-    lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
-    m, l, alpha = np.empty(rows, dt), np.empty(rows, dt), np.empty(rows, dt)
-    acc_all, bad = np.empty((rows, d_v), dt), np.empty(rows, np.bool_)
-    for work in range(first, stop):
-        item, c = work // n_ch, work % n_ch
-        b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
-        hk, unit = rest // n_units, rest % n_units
-        _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-              table, formats, part_m, part_l, part_acc, qbuf, kbuf, vbuf, sbuf, tmpbuf, lo, hi, m, l,
-              alpha, acc_all, bad)
-
-
-@jit()
-def _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-          table, formats, part_m, part_l, part_acc, qbuf, kbuf, vbuf, sbuf, tmpbuf, lo, hi, m, l,
-          alpha, acc_all, bad):
-    """One work item (see ``attention_items``), with the scratch it is given."""
-    n_ch, n_qt = ints[N_CHUNKS], ints[N_Q_TILES]
+    goes to ``part_*``, for ``attention_merge``).  (One function, not a loop
+    calling an item function: each level of calls re-optimises all the code
+    below it, and this one cost ~4 s of compile time.)"""
+    n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
     group = ints[Q_HEADS] // ints[KV_HEADS]
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
     q_scale, score_scale, softcap = floats[Q_SCALE], floats[SCORE_SCALE], floats[SOFTCAP]
     has_mask = ints[HAS_MASK] != 0
     acc_code = _code_of(y)
-    split = n_ch > 1
-    partner = unit if split else n_qt - 1 - unit  # == unit: the middle tile of an odd count
-    k_start = c * ints[CHUNK] if split else 0
-    k_stop = min(k_start + ints[CHUNK], ints[TOTAL]) if split else ints[TOTAL]
-    for qt_index in range(unit, partner + 1, max(partner - unit, 1)):
-        i0 = qt_index * bq
-        nq = min(bq, ints[Q_LEN] - i0)
-        rows = group * nq
-        acc = acc_all[:rows]
-        # Each query's key interval; their union bounds the tiles loaded.
-        t_lo, t_hi = k_stop, k_start - 1
-        for i in range(nq):
-            lo[i], hi[i] = _row_bounds(i0 + i, offset[b], valid[b], ints[CAUSAL] != 0,
-                                       ints[LEFT], ints[RIGHT])
-            t_lo = min(t_lo, max(lo[i], k_start))
-            t_hi = max(t_hi, min(hi[i], k_stop - 1))
-        for r in range(rows):
-            m[r] = -np.inf
-            l[r] = 0.0
-            bad[r] = False
-            for d in range(d_v):
-                acc[r, d] = 0.0
-
-        if t_lo <= t_hi:
-            qt = qbuf[:rows * d_k].reshape((rows, d_k))
-            for g in range(group):
-                base = (desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
-                        + i0 * desc[T_Q, STRIDE_S])
-                _widen_rows(qt, g * nq, nq, d_k, q, desc[T_Q, DTYPE], base, desc[T_Q, STRIDE_S],
-                            desc[T_Q, STRIDE_D], table, formats)
+    dt = y.dtype
+    # Scratch for one item at a time, allocated once per share of items.
+    rows_max = group * bq
+    qbuf, kbuf, vbuf = np.empty(rows_max * d_k, dt), np.empty(bk * d_k, dt), np.empty(bk * d_v, dt)
+    sbuf, tmpbuf = np.empty(rows_max * bk, dt), np.empty(rows_max * d_v, dt)
+    lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
+    m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
+    acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.bool_)
+    for work in range(first, stop):
+        item, c = work // n_ch, work % n_ch
+        b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
+        hk, unit = rest // n_units, rest % n_units
+        split = n_ch > 1
+        partner = unit if split else n_qt - 1 - unit  # == unit: the middle tile of an odd count
+        k_start = c * ints[CHUNK] if split else 0
+        k_stop = min(k_start + ints[CHUNK], ints[TOTAL]) if split else ints[TOTAL]
+        for qt_index in range(unit, partner + 1, max(partner - unit, 1)):
+            i0 = qt_index * bq
+            nq = min(bq, ints[Q_LEN] - i0)
+            rows = group * nq
+            acc = acc_all[:rows]
+            # Each query's key interval; their union bounds the tiles loaded.
+            t_lo, t_hi = k_stop, k_start - 1
+            for i in range(nq):
+                lo[i], hi[i] = _row_bounds(i0 + i, offset[b], valid[b], ints[CAUSAL] != 0,
+                                           ints[LEFT], ints[RIGHT])
+                t_lo = min(t_lo, max(lo[i], k_start))
+                t_hi = max(t_hi, min(hi[i], k_stop - 1))
             for r in range(rows):
-                for d in range(d_k):
-                    qt[r, d] *= q_scale
-            mask_base = -1
-            if has_mask:
-                mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
-                             + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
-            use_blas = rows >= ints[BLAS_ROWS]
-            tmp = tmpbuf[:rows * d_v].reshape((rows, d_v))
-            # Two segments: past keys, then new keys (a tile never straddles them).
-            for seg in range(2):
-                seg_lo, seg_hi = (t_lo, min(t_hi, past - 1)) if seg == 0 else (max(t_lo, past), t_hi)
-                kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
-                for j0 in range(seg_lo, seg_hi + 1, bk):
-                    n = min(bk, seg_hi + 1 - j0)
-                    kt = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, acc_code)
-                    s = sbuf[:rows * n].reshape((rows, n))
-                    _scores(qt, kt, s, rows, n, use_blas)
-                    edge = has_mask
-                    for i in range(nq):
-                        edge |= lo[i] > j0 or hi[i] < j0 + n - 1
-                    _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
-                                  desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
-                                  desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad)
-                    vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
-                    skip_masked = edge and not _all_finite(vt)
-                    _accumulate(s, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked)
-
-        if split:
-            for r in range(rows):
-                part_m[work, r] = np.nan if bad[r] else m[r]
-                part_l[work, r] = l[r]
+                m[r] = -np.inf
+                l[r] = 0.0
+                bad[r] = False
                 for d in range(d_v):
-                    part_acc[work, r, d] = acc[r, d]
-        else:
-            _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
+                    acc[r, d] = 0.0
+
+            if t_lo <= t_hi:
+                qt = qbuf[:rows * d_k].reshape((rows, d_k))
+                for g in range(group):
+                    base = (desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
+                            + i0 * desc[T_Q, STRIDE_S])
+                    _widen_rows(qt, g * nq, nq, d_k, q, desc[T_Q, DTYPE], base, desc[T_Q, STRIDE_S],
+                                desc[T_Q, STRIDE_D], table, formats)
+                for r in range(rows):
+                    for d in range(d_k):
+                        qt[r, d] *= q_scale
+                mask_base = -1
+                if has_mask:
+                    mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
+                                 + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
+                use_blas = rows >= ints[BLAS_ROWS]
+                tmp = tmpbuf[:rows * d_v].reshape((rows, d_v))
+                # Two segments: past keys, then new keys (a tile never straddles them).
+                for seg in range(2):
+                    seg_lo, seg_hi = (t_lo, min(t_hi, past - 1)) if seg == 0 else (max(t_lo, past), t_hi)
+                    kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
+                    for j0 in range(seg_lo, seg_hi + 1, bk):
+                        n = min(bk, seg_hi + 1 - j0)
+                        kt = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, acc_code)
+                        s = sbuf[:rows * n].reshape((rows, n))
+                        _scores(qt, kt, s, rows, n, use_blas)
+                        edge = has_mask
+                        for i in range(nq):
+                            edge |= lo[i] > j0 or hi[i] < j0 + n - 1
+                        _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
+                                      desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
+                                      desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad)
+                        vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
+                        skip_masked = edge and not _all_finite(vt)
+                        _accumulate(s, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked)
+
+            if split:
+                for r in range(rows):
+                    part_m[work, r] = np.nan if bad[r] else m[r]
+                    part_l[work, r] = l[r]
+                    for d in range(d_v):
+                        part_acc[work, r, d] = acc[r, d]
+            else:
+                _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
 
 
 @jit()
