@@ -21,18 +21,19 @@ from ._validate import as_array, as_float, as_int, index_vector
 SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 
 # Tile policy.  A work item scores ``G * block_q`` query rows at once
-# (``ROWS_PER_TILE``); with at least ``BLAS_MIN_ROWS`` rows its products go to
-# BLAS, each kept within ``GEMM_MNK_LIMIT`` (OpenBLAS runs a gemm of M*N*K <=
-# 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread, so it never
-# starts threads of its own inside numba's).  Fewer rows (decode) take the
-# loop kernel over ``LOOP_BLOCK_K`` keys a tile.  Splitting the key range of
-# few-query work into chunks keeps every core busy: ``TARGET_ITEMS`` items
-# (>= 4 per thread up to 64 threads), chunks of at least ``MIN_CHUNK`` keys;
-# the chunk length depends on the shapes only, so results do not depend on
-# the thread count.
+# (``ROWS_PER_TILE``) against ``block_k`` keys a tile.  With at least
+# ``BLAS_MIN_ROWS`` rows the products go to BLAS, split along the head size so
+# that each is within ``GEMM_MNK_LIMIT`` (OpenBLAS runs a gemm of M*N*K <=
+# 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread: it never starts
+# threads of its own inside numkv's).  Fewer rows (decode) take the loop
+# kernel.  Splitting the key range of few-query work into chunks keeps every
+# core busy: ``TARGET_ITEMS`` items (>= 4 per thread up to 64 threads), chunks
+# of at least ``MIN_CHUNK`` keys; the chunk length depends on the shapes
+# only, so results do not depend on the thread count.
 ROWS_PER_TILE = 64
 BLAS_MIN_ROWS = 16
 GEMM_MNK_LIMIT = 1 << 18
+BLAS_BLOCK_K = 64
 LOOP_BLOCK_K = 64
 TARGET_ITEMS = 256
 MIN_CHUNK = 128
@@ -134,7 +135,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     b, hq, sq, d = call.q.shape
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
     group = hq // hkv
-    auto_q, auto_k = _tiles(group, sq, max(d, dv))
+    auto_q, auto_k = _tiles(group, sq)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
     n_q_tiles = -(-sq // block_q)
@@ -151,7 +152,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
                    causal=int(call.is_causal), left=call.left, right=call.right,
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   blas_rows=BLAS_MIN_ROWS if blas_rows is None else blas_rows)
+                   blas_rows=BLAS_MIN_ROWS if blas_rows is None else blas_rows,
+                   gemm_limit=GEMM_MNK_LIMIT)
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     buffers, desc = [], np.zeros((len(kernels.TENSORS), len(kernels.TENSOR_FIELDS)), np.int64)
     for row, name in enumerate(kernels.TENSORS[:5]):  # q, past_k, k, past_v, v: raw bytes
@@ -203,16 +205,10 @@ def _fields(names, **values):
     return np.array([values[name] for name in names], np.int64)
 
 
-def _tiles(group, sq, d_max):
+def _tiles(group, sq):
     """Default ``(block_q, block_k)`` for ``group`` query heads per kv head."""
     block_q = max(1, min(sq, ROWS_PER_TILE // group))
-    rows = group * block_q
-    if rows < BLAS_MIN_ROWS:
-        return block_q, LOOP_BLOCK_K
-    block_k = max(8, GEMM_MNK_LIMIT // (rows * d_max))
-    while block_q > 1 and group * block_q * block_k * d_max > GEMM_MNK_LIMIT:
-        block_q //= 2
-    return block_q, min(block_k, 256)
+    return block_q, BLAS_BLOCK_K if group * block_q >= BLAS_MIN_ROWS else LOOP_BLOCK_K
 
 
 def _kv_chunk(n_items, total, block_k):

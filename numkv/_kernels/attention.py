@@ -59,7 +59,9 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
 
@@ -68,11 +70,11 @@ from .._config import jit
 INT_FIELDS = (
     "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
     "causal", "left", "right", "has_mask",
-    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows",
+    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows", "gemm_limit",
 )
 (BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
  CAUSAL, LEFT, RIGHT, HAS_MASK,
- BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS) = range(len(INT_FIELDS))
+ BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT) = range(len(INT_FIELDS))
 
 TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
 T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
@@ -204,17 +206,18 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
 @jit(inline=True)
 def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as an
-    ``(n, width)`` C-contiguous array: the buffer itself where it already
-    holds contiguous rows of the accumulation dtype (no copy), else ``scratch``
-    filled by widening."""
+    ``(n, width)`` array with unit-stride rows: a view of the buffer itself
+    where it holds rows of the accumulation dtype (no copy; BLAS reads rows
+    any distance apart), else ``scratch`` filled by widening."""
     base = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
-    code = desc[t, DTYPE]
-    if code == acc_code and desc[t, STRIDE_D] == 1 and (desc[t, STRIDE_S] == width or n == 1):
-        return _as_acc(buf, scratch)[base:base + n * width].reshape((n, width))
+    code, seq_stride = desc[t, DTYPE], desc[t, STRIDE_S]
+    if code == acc_code and desc[t, STRIDE_D] == 1 and (seq_stride >= width or n == 1):
+        flat = _as_acc(buf, scratch)
+        item = flat.itemsize
+        return as_strided(flat[base:], (n, width), (max(seq_stride, width) * item, item))
     tile = scratch[:n * width].reshape((n, width))
     first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
-    _widen_rows(tile, first_row, n, width, buf, code, base, desc[t, STRIDE_S], desc[t, STRIDE_D],
-                table, formats)
+    _widen_rows(tile, first_row, n, width, buf, code, base, seq_stride, desc[t, STRIDE_D], table, formats)
     return tile
 
 
@@ -275,11 +278,53 @@ def _exp_impl(x):
     return exp32
 
 
+@intrinsic
+def _gemm(typingctx, a, b, c, beta, trans_b):
+    """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
+    unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
+    ``numba_xxgemm`` helper numba's own ``np.dot`` calls (SciPy's BLAS, looked
+    up at run time, so the kernel stays in numba's disk cache).  Unlike
+    ``np.dot`` it accumulates (``beta``) and reads strided rows in place."""
+    if not all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype == c.dtype for x in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from numba.np.linalg import ensure_blas
+
+        ensure_blas()
+        dtype = sig.args[2].dtype
+        char, intp, voidp = ir.IntType(8), context.get_value_type(types.intp), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.IntType(32), [char, char, char, intp, intp, intp, voidp, voidp, intp,
+                                                voidp, intp, voidp, voidp, intp])
+        xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+        a_, b_, c_ = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_value_type(dtype)))
+
+        def ld(ary):  # the distance between rows, in elements
+            return builder.sdiv(cgutils.unpack_tuple(builder, ary.strides)[0], itemsize)
+
+        m, k = cgutils.unpack_tuple(builder, a_.shape)
+        n = cgutils.unpack_tuple(builder, c_.shape)[1]
+        one = cgutils.alloca_once_value(builder, context.get_constant(dtype, 1.0))
+        beta_ = cgutils.alloca_once_value(builder, context.cast(builder, args[3], sig.args[3], dtype))
+        transpose = context.cast(builder, args[4], sig.args[4], types.boolean)
+        op_b = builder.select(transpose, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
+        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
+        # BLAS is column-major: there the product is c^T = op(b)^T a^T.
+        builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), n, m, k,
+                              builder.bitcast(one, voidp), builder.bitcast(b_.data, voidp), ld(b_),
+                              builder.bitcast(a_.data, voidp), ld(a_), builder.bitcast(beta_, voidp),
+                              builder.bitcast(c_.data, voidp), ld(c_)))
+        return context.get_dummy_value()
+
+    return types.void(a, b, c, beta, trans_b), codegen
+
+
 # -- the two matrix products ----------------------------------------------------------
 
 
 @jit(reassociate=True)
-def _scores(qt, kt, s, rows, n, use_blas):
+def _scores(qt, kt, s, rows, n, use_blas, gemm_limit):
     """``s[:rows, :n] = qt kt^T``: BLAS for many rows, else a loop that scores
     two query rows against four keys per pass over ``d`` (six loads feed
     eight vectorised FMAs; one row against one key is load-bound at two loads
@@ -287,10 +332,12 @@ def _scores(qt, kt, s, rows, n, use_blas):
     comes from the same vectorised sum, so its bits depend neither on the
     number of rows (GQA equals MHA with K/V repeated) nor on the tile's length
     (a masked key at its end changes nothing)."""
-    if use_blas:
-        np.dot(qt, kt.T, s)
-        return
     d_k = qt.shape[1]
+    if use_blas:  # split along d: each product within the single-thread size
+        part = max(1, min(d_k, gemm_limit // (rows * n)))
+        for d0 in range(0, d_k, part):
+            _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True)
+        return
     zero = s.dtype.type(0.0)
     for r in range(0, rows, 2):
         r1 = min(r + 1, rows - 1)
@@ -321,7 +368,7 @@ def _weighted4(p, r, j):
 
 
 @jit(contract=True)
-def _accumulate(p, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked):
+def _accumulate(p, vt, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit):
     """``acc = alpha acc + p vt`` per row.  The loop kernel leaves keys of
     weight 0 out (a masked key's V may hold inf or NaN, and 0 * inf is NaN);
     BLAS' product cannot, so ``skip_masked`` sends a tile to the loop.
@@ -336,11 +383,10 @@ def _accumulate(p, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked):
         if a != 1.0:
             for d in range(d_v):
                 acc[r, d] *= a
-    if use_blas and not skip_masked:
-        np.dot(p, vt, tmp)
-        for r in range(rows):
-            for d in range(d_v):
-                acc[r, d] += tmp[r, d]
+    if use_blas and not skip_masked:  # split along d: each product within the single-thread size
+        part = max(1, min(d_v, gemm_limit // (rows * n)))
+        for d0 in range(0, d_v, part):
+            _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False)
         return
     for r in range(0, rows, 2):
         two = r + 1 < rows
@@ -515,7 +561,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     # Scratch for one item at a time, allocated once per share of items.
     rows_max = group * bq
     qbuf, kbuf, vbuf = np.empty(rows_max * d_k, dt), np.empty(bk * d_k, dt), np.empty(bk * d_v, dt)
-    sbuf, tmpbuf = np.empty(rows_max * bk, dt), np.empty(rows_max * d_v, dt)
+    sbuf = np.empty(rows_max * bk, dt)
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.bool_)
@@ -561,7 +607,6 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
                                  + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
                 use_blas = rows >= ints[BLAS_ROWS]
-                tmp = tmpbuf[:rows * d_v].reshape((rows, d_v))
                 # Two segments: past keys, then new keys (a tile never straddles them).
                 for seg in range(2):
                     seg_lo, seg_hi = (t_lo, min(t_hi, past - 1)) if seg == 0 else (max(t_lo, past), t_hi)
@@ -570,7 +615,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         n = min(bk, seg_hi + 1 - j0)
                         kt = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, acc_code)
                         s = sbuf[:rows * n].reshape((rows, n))
-                        _scores(qt, kt, s, rows, n, use_blas)
+                        _scores(qt, kt, s, rows, n, use_blas, ints[GEMM_LIMIT])
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
@@ -579,7 +624,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad)
                         vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
                         skip_masked = edge and not _all_finite(vt)
-                        _accumulate(s, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked)
+                        _accumulate(s, vt, acc, alpha, rows, n, use_blas, skip_masked, ints[GEMM_LIMIT])
 
             if split:
                 for r in range(rows):
