@@ -73,6 +73,18 @@ class _Progress:
             self.stream.flush()
 
 
+def _first_compile(label, kwargs):
+    """What a run's first call may compile, and roughly how long it takes from
+    a cold cache (measured on 2 cores: float32 attention 18 s, each further
+    K/V dtype 10-15 s, the cache writes (tensor_scatter) 3-5 s)."""
+    run = label.split(") ", 1)[1]
+    if kwargs.get("cache") is None:
+        return f"run {label.split(' ')[0]}: float32 attention", 20
+    if "dtype" in kwargs:
+        return f"run {label.split(' ')[0]}: float32 attention over a {np.dtype(kwargs['dtype'])} cache", 15
+    return f"run {label.split(' ')[0]}: {run} writes (tensor_scatter)", 5
+
+
 def _timed(decoder, prompts, new_tokens, label, **kwargs):
     progress = _Progress(label)
     start = time.perf_counter()
@@ -119,6 +131,7 @@ def _compare(tokens, logits, ref_tokens, ref_logits):
 
 
 def run(args):
+    from numkv._compile_notice import compile_notice
     from numkv._config import set_threads, threads
     from numkv.layers import Decoder
 
@@ -152,12 +165,18 @@ def run(args):
           f"{args.new_tokens} new tokens each, greedy")
 
     # Compile every kernel variant on a small problem first, so that the
-    # timings below measure decoding, not numba's compiler.
+    # timings below measure decoding, not numba's compiler; from a cold disk
+    # cache each run's first compile is announced before it starts.
     start = time.perf_counter()
     small = [p[:2] for p in prompts[:2]]
-    for _, kwargs, _ in runs:
-        decoder.generate(small, 2, **kwargs)
-    print(f"compile + warm-up: {time.perf_counter() - start:.1f} s", flush=True)
+    compiled = 0
+    for label, kwargs, _ in runs:
+        what, seconds = _first_compile(label, kwargs)
+        with compile_notice(what, seconds) as watch:
+            decoder.generate(small, 2, **kwargs)
+        compiled += watch.compiled
+    note = " (numba keeps the kernels in its disk cache: later runs skip this)" if compiled else ""
+    print(f"compile + warm-up: {time.perf_counter() - start:.1f} s{note}", flush=True)
 
     total = args.batch * args.new_tokens
     print(f"\n{'run':<44}{'time':>9}{'tokens/s':>11}{'speed-up':>10}  check", flush=True)
