@@ -3,6 +3,7 @@
   info     versions, BLAS, threads, threading layer, kernel cache (the default)
   demo     greedy decoding with and without KV caches: agreement and tokens/s
   bench    numkv's speed beside onnx.reference and the installed peers
+  warmup   compile every kernel into numba's disk cache ahead of time
 
 Each command takes --help.  Uses the public API (and, for info and warmup,
 numba's own view of numkv's kernels).
@@ -22,7 +23,7 @@ def _prog():
 
 
 def build_parser(prog=None):
-    from numkv import _cli_bench, _cli_demo, _cli_info
+    from numkv import _cli_bench, _cli_demo, _cli_info, _cli_warmup
 
     parser = argparse.ArgumentParser(
         prog=prog or _prog(), description=__doc__.split("\n\n")[0],
@@ -32,6 +33,7 @@ def build_parser(prog=None):
     _cli_info.add_parser(sub)
     _cli_demo.add_parser(sub)
     _cli_bench.add_parser(sub)
+    _cli_warmup.add_parser(sub)
     return parser
 
 

@@ -25,7 +25,7 @@ def _commands():
 
 
 def test_the_commands_the_api_promises_exist():
-    assert {"info", "demo", "bench"} <= set(_commands())
+    assert {"info", "demo", "bench", "warmup"} <= set(_commands())
 
 
 def test_version(capsys):
