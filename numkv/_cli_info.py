@@ -3,7 +3,8 @@
 Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS numba's
 matrix products call (SciPy's: numba's ``np.dot`` goes through
 ``scipy.linalg.cython_blas``) and NumPy's, threads and threading layer, and
-where numba keeps numkv's compiled kernels (and whether that is writable).
+where numba keeps numkv's compiled kernels (and whether it could use the
+directory asked for).
 """
 
 import importlib
@@ -120,16 +121,21 @@ def cache_location():
     if not _config.CACHE:
         return None, "off (NUMKV_CACHE=0): kernels compile in every new process"
     paths = sorted({d.stats.cache_path for d in kernel_dispatchers()} - {None})
+    wanted = os.environ.get("NUMBA_CACHE_DIR")
+    ignored = (f"; NUMBA_CACHE_DIR={wanted} is not writable by this user, so numba ignores it"
+               if wanted and not any(_inside(p, wanted) for p in paths)
+               else "")
     if not paths:
-        return None, ("none: no cache directory is writable, kernels compile in every new process "
-                      "(set NUMBA_CACHE_DIR to a directory this user can write)")
+        return None, ("none: no cache directory is writable, kernels compile in every new process"
+                      + (ignored or " (set NUMBA_CACHE_DIR to a directory this user can write)"))
     path = paths[0]
     files = [f for f in os.listdir(path) if f.endswith(".nbc")] if os.path.isdir(path) else []
-    note = f"{len(files)} compiled kernel files, " + ("writable" if os.access(path, os.W_OK) else "read-only")
-    wanted = os.environ.get("NUMBA_CACHE_DIR")
-    if wanted and not os.path.abspath(path).startswith(os.path.abspath(wanted)):
-        note += f"; NUMBA_CACHE_DIR={wanted} is not writable by this user, so numba ignores it"
-    return path, note
+    return path, f"{len(files)} compiled kernel files, writable" + ignored
+
+
+def _inside(path, directory):
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return os.path.commonpath([path, directory]) == directory
 
 
 def run(args=None):

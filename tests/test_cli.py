@@ -107,6 +107,17 @@ def test_info_with_the_disk_cache_off():
     assert "kernel cache: -  (off (NUMKV_CACHE=0)" in out
 
 
+def test_info_says_numba_ignores_a_cache_directory_it_cannot_write(tmp_path):
+    """numba passes over a NUMBA_CACHE_DIR it can't write to without a word
+    (here a file, which even root can't make a directory in)."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(blocked), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "numkv", "info"], capture_output=True, text=True,
+                         env=env, check=True, cwd=ROOT).stdout
+    assert f"NUMBA_CACHE_DIR={blocked} is not writable by this user, so numba ignores it" in out
+
+
 def test_importing_numkv_imports_no_numba_nor_the_cli():
     code = ("import sys, numkv; bad = [m for m in ('numba', 'onnx', 'matplotlib', 'numkv.__main__', "
             "'numkv._cli_warmup', 'numkv._compile_notice') if m in sys.modules]; print(bad)")
