@@ -26,7 +26,8 @@ def build_parser(prog=None):
     from numkv import _cli_bench, _cli_demo, _cli_info, _cli_warmup
 
     parser = argparse.ArgumentParser(
-        prog=prog or _prog(), description=__doc__.split("\n\n")[0],
+        prog=prog or _prog(),
+        description="The numkv command line: python -m numkv COMMAND, or numkv COMMAND.",
         epilog="Without a command: info.  `COMMAND --help` describes each.")
     parser.add_argument("--version", action="version", version=f"numkv {numkv.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -115,7 +115,7 @@ GROUPS = {
     "attention bfloat16": ("Q, K, V bfloat16", 15, lambda: _attention_group("bfloat16", ["bfloat16"])),
     "attention float8": ("Q, K, V in each float8 type", 20,
                          lambda: [_attention_group(n, [n]) for n in FLOAT8]),
-    "attention float32 Q, low-precision K/V": ("float32 Q, K/V float16, bfloat16, float8", 20,
+    "attention float32 Q + low-precision K/V": ("float32 Q, K/V float16, bfloat16, float8", 20,
                                                lambda: _attention_group("float32", LOW)),
     "attention softmax_precision=11": ("float64 softmax for float32, float16, bfloat16", 30,
                                        lambda: [_attention_group(n, [n], softmax_precision=11)
@@ -126,7 +126,7 @@ GROUPS = {
 # -- running them -------------------------------------------------------------
 
 def add_parser(subparsers):
-    names = ", ".join(GROUPS)
+    names = "; ".join(GROUPS)
     p = subparsers.add_parser(
         "warmup", help="compile every kernel into numba's disk cache ahead of time",
         description=__doc__.split("\n\n")[0].replace("``", "`")
