@@ -74,15 +74,15 @@ class _Progress:
 
 
 def _first_compile(label, kwargs):
-    """What a run's first call may compile, and roughly how long it takes from
-    a cold cache (measured on 2 cores: float32 attention 18 s, each further
-    K/V dtype 10-15 s, the cache writes (tensor_scatter) 3-5 s)."""
-    run = label.split(") ", 1)[1]
+    """What a run's first call may compile, and roughly how long that takes
+    from a cold cache (measured on 2 cores: float32 attention 12-18 s, a
+    low-precision cache's attention 9-10 s more, the cache writes 1-5 s)."""
+    run, name = label.split(" ", 1)
     if kwargs.get("cache") is None:
-        return f"run {label.split(' ')[0]}: float32 attention", 20
+        return f"run {run}: float32 attention", 20
     if "dtype" in kwargs:
-        return f"run {label.split(' ')[0]}: float32 attention over a {np.dtype(kwargs['dtype'])} cache", 15
-    return f"run {label.split(' ')[0]}: {run} writes (tensor_scatter)", 5
+        return f"run {run}: float32 attention over a {np.dtype(kwargs['dtype'])} cache", 15
+    return f"run {run}: {name} writes (tensor_scatter)", 5
 
 
 def _timed(decoder, prompts, new_tokens, label, **kwargs):
