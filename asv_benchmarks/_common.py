@@ -132,14 +132,17 @@ def onnx_tensor_scatter_model(elem_type, mode="linear", axis=-2):
     return model
 
 
-def onnx_attention_model(*, opset=23, is_causal=0, mask_type=None, nonpad=False, softcap=0.0, **attrs):
-    """A one-node float32 Attention model.  Inputs by name: Q, K, V, then
+def onnx_attention_model(*, opset=23, is_causal=0, mask_type=None, nonpad=False, softcap=0.0, elem_type=None,
+                         **attrs):
+    """A one-node Attention model, float32 unless ``elem_type`` (an onnx
+    TensorProto code) says otherwise.  Inputs by name: Q, K, V, then
     ``attn_mask`` (``mask_type``: an onnx TensorProto code) and ``nonpad_kv_seqlen``
     (opset >= 24) when asked for."""
     onnx = require("onnx")
     helper, tp = onnx.helper, onnx.TensorProto
+    elem_type = tp.FLOAT if elem_type is None else elem_type
     names = ["Q", "K", "V"]
-    infos = [helper.make_tensor_value_info(n, tp.FLOAT, None) for n in names]
+    infos = [helper.make_tensor_value_info(n, elem_type, None) for n in names]
     if mask_type is not None:
         names.append("attn_mask")
         infos.append(helper.make_tensor_value_info("attn_mask", mask_type, None))
@@ -150,7 +153,7 @@ def onnx_attention_model(*, opset=23, is_causal=0, mask_type=None, nonpad=False,
         attrs["softcap"] = float(softcap)
     node = helper.make_node("Attention", names, ["Y"], is_causal=int(is_causal), **attrs)
     graph = helper.make_graph([node], "attention", infos,
-                              [helper.make_tensor_value_info("Y", tp.FLOAT, None)])
+                              [helper.make_tensor_value_info("Y", elem_type, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
     return model

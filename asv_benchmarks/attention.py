@@ -1,13 +1,25 @@
-"""numkv.attention: decode, causal prefill, an external cache, GQA ratios, K/V
-dtypes and the masking / softcap / window paths, beside onnxruntime's Attention
-(a one-node float32 model) and torch's ``scaled_dot_product_attention`` where
-they are installed.
+"""numkv.attention on the workloads of issues 10 (prefill: the compute core) and
+11 (decode), plus GQA ratios and the masking / softcap / window paths, beside
+onnxruntime's Attention (a one-node model) and torch's
+``scaled_dot_product_attention`` where they are installed.
 
-Shapes are ONNX's 4D ``(batch, heads, seq, head_size)``.  Decode is one query
-token over ``kv_len`` cached keys with Hq = 32 query heads sharing Hkv = 8 K/V
-heads (a Llama-style 4:1 GQA) and head_size 128.  The peer classes take the
-numkv class's parameters behind a leading ``peer``, so ``asv compare`` lines
-them up.
+Shapes are ONNX's 4D ``(batch, heads, seq, head_size)``, Hq = 32 query heads
+sharing Hkv = 8 K/V heads (a Llama-style 4:1 GQA), head_size 128 unless said:
+
+* ``Prefill``: causal self-attention over 512 or 2048 tokens in float32,
+  float16 or bfloat16; ``FullPrefill``: 1024 tokens, no mask, float32.
+* ``Decode``: one query over 1024 ... 16384 cached float32 keys, batch 1 or 8;
+  ``KVDtype``: the same over a float16 / bfloat16 / float8_e4m3fn K/V cache
+  (float32 queries); ``ExternalCacheDecode``: a capacity-4096 cache whose rows
+  hold ``nonpad_kv_seqlen`` tokens, ``is_causal``; ``TransformersDecode``: a
+  transformers-sized step (Hq 16, Hkv 4, head_size 64, 1088 keys).
+
+The peer classes take the numkv class's parameters behind a leading ``peer``,
+so ``asv compare`` lines them up.  A peer runs the case's dtype where it can
+(torch bfloat16 / onnxruntime float16 stand in for float8, holding its values
+exactly); one that can't (onnxruntime has no bfloat16 Attention) is skipped.
+``python -m numkv bench`` times the same workloads in one run; this module keeps
+its own copies of them, since asv runs it against older numkv builds.
 """
 
 import timeit
@@ -19,6 +31,7 @@ from ._common import (dtype, numkv_attention, onnx_attention_model, ort_session,
 
 HQ, HKV, D = 32, 8, 128
 PEERS = ["onnxruntime", "torch"]
+_ONNX_TYPES = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16"}
 
 
 def qkv(batch, q_heads, kv_heads, q_len, kv_len, head_size, kv_dtype="float32", q_dtype="float32"):
@@ -33,224 +46,298 @@ def qkv(batch, q_heads, kv_heads, q_len, kv_len, head_size, kv_dtype="float32", 
     return reuse(("qkv", batch, q_heads, kv_heads, q_len, kv_len, head_size, kv_dtype, q_dtype), make)
 
 
+def peer_dtype(peer, name):
+    """The dtype ``peer`` runs a case of dtype ``name`` in: the same, or for
+    float8 the 16-bit type it has (both hold float8_e4m3fn exactly)."""
+    if name.startswith("float8"):
+        return {"torch": "bfloat16", "onnxruntime": "float16"}[peer]
+    return name
+
+
 def peer_call(peer, q, k, v, *, is_causal=False, attn_mask=None, nonpad_kv_seqlen=None, softcap=0.0,
-              left_window_size=-1):
-    """A zero-argument callable that runs ``peer`` on float32 inputs with numkv's semantics.
+              left_window_size=-1, dtype_name="float32"):
+    """A zero-argument callable that runs ``peer`` with numkv's semantics, with
+    Q, K and V converted to ``dtype_name`` (the peers take one dtype for all three).
 
     onnxruntime: ``Attention`` opset 23 (24 for ``nonpad_kv_seqlen``, 25 for a
-    window; a missing opset is a skip).  torch: ``scaled_dot_product_attention``
+    window; a missing opset or dtype is a skip).  torch: ``scaled_dot_product_attention``
     with ``enable_gqa``; its ``is_causal`` is top-left aligned, so it is used only
-    where Sq == Skv, and ``nonpad_kv_seqlen`` becomes the equivalent bool mask.
+    where Sq == Skv (with one query, causal masks nothing: it is dropped), and
+    ``nonpad_kv_seqlen`` becomes the equivalent bool mask.
     """
+    q, k, v = (a.astype(dtype(dtype_name), copy=False) for a in (q, k, v))
     if peer == "onnxruntime":
-        onnx = require("onnx")
-        feed = {"Q": q, "K": k, "V": v}
-        attrs = {}
-        mask_type = None
-        if attn_mask is not None:
-            feed["attn_mask"] = attn_mask
-            mask_type = onnx.TensorProto.BOOL if attn_mask.dtype == np.bool_ else onnx.TensorProto.FLOAT
-        opset = 23
-        if nonpad_kv_seqlen is not None:
-            feed["nonpad_kv_seqlen"] = np.asarray(nonpad_kv_seqlen, np.int64)
-            opset = 24
-        if left_window_size >= 0:
-            attrs["left_window_size"] = left_window_size
-            opset = 25
-        model = onnx_attention_model(opset=opset, is_causal=is_causal, mask_type=mask_type,
-                                     nonpad=nonpad_kv_seqlen is not None, softcap=softcap, **attrs)
-        try:
-            session = ort_session(model)
-        except Exception as e:  # e.g. an opset this onnxruntime does not implement
-            raise NotImplementedError(f"onnxruntime: {type(e).__name__}: {str(e)[:200]}") from None
-        return lambda: session.run(None, feed)
+        return _ort_call(q, k, v, is_causal, attn_mask, nonpad_kv_seqlen, softcap, left_window_size, dtype_name)
     if peer == "torch":
-        torch = require("torch")
-        if softcap or left_window_size >= 0:
-            raise NotImplementedError("torch's scaled_dot_product_attention has no softcap / window")
-        if is_causal and q.shape[2] != k.shape[2]:
-            raise NotImplementedError("torch's is_causal is top-left aligned (Sq != Skv)")
-        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v))
-        mask = None
-        if nonpad_kv_seqlen is not None:
-            keep = np.arange(k.shape[2]) < np.asarray(nonpad_kv_seqlen)[:, None]
-            mask = torch.from_numpy(keep[:, None, None, :])
-        elif attn_mask is not None:
-            if is_causal:  # torch takes a mask or is_causal, not both: fold causal in
-                causal = np.tri(q.shape[2], k.shape[2], dtype=bool)
-                if attn_mask.dtype == np.bool_:
-                    attn_mask = attn_mask & causal
-                else:
-                    attn_mask = attn_mask + np.where(causal, np.float32(0), np.float32(-np.inf))
-                is_causal = False
-            mask = torch.from_numpy(np.ascontiguousarray(attn_mask))
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        gqa = q.shape[1] != k.shape[1]
-
-        def call():
-            with torch.inference_mode():
-                return sdpa(tq, tk, tv, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
-
-        return call
+        return _torch_call(q, k, v, is_causal, attn_mask, nonpad_kv_seqlen, softcap, left_window_size, dtype_name)
     raise ValueError(peer)
 
 
-class Decode:
-    """One query token over ``kv_len`` keys (a decode step, no mask), float32."""
+def _ort_call(q, k, v, is_causal, attn_mask, nonpad_kv_seqlen, softcap, left_window_size, dtype_name):
+    onnx = require("onnx")
+    ort = require("onnxruntime")
+    elem = getattr(onnx.TensorProto, _ONNX_TYPES[dtype_name])
+    feed = {"Q": q, "K": k, "V": v}
+    attrs = {}
+    mask_type = None
+    if attn_mask is not None:
+        feed["attn_mask"] = attn_mask
+        mask_type = onnx.TensorProto.BOOL if attn_mask.dtype == np.bool_ else elem
+    opset = 23
+    if nonpad_kv_seqlen is not None:
+        feed["nonpad_kv_seqlen"] = np.asarray(nonpad_kv_seqlen, np.int64)
+        opset = 24
+    if left_window_size >= 0:
+        attrs["left_window_size"] = left_window_size
+        opset = 25
+    model = onnx_attention_model(opset=opset, is_causal=is_causal, mask_type=mask_type,
+                                 nonpad=nonpad_kv_seqlen is not None, softcap=softcap, elem_type=elem, **attrs)
+    try:
+        session = ort_session(model)
+    except Exception as e:  # e.g. an opset or dtype this onnxruntime does not implement
+        raise NotImplementedError(f"onnxruntime: {type(e).__name__}: {str(e)[:200]}") from None
+    if dtype_name == "bfloat16":  # NumPy has no bfloat16: hand onnxruntime the bits
+        values = {n: (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), elem)
+                      if a.dtype == q.dtype else ort.OrtValue.ortvalue_from_numpy(a)) for n, a in feed.items()}
+        return lambda: session.run_with_ort_values(["Y"], values)
+    return lambda: session.run(None, feed)
 
-    params = [[1, 8], [1024, 4096, 16384]]
-    param_names = ["batch", "kv_len"]
+
+def _torch_tensor(torch, a):
+    if a.dtype == dtype("bfloat16"):  # torch can't read ml_dtypes' bfloat16: reinterpret the bits
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _torch_call(q, k, v, is_causal, attn_mask, nonpad_kv_seqlen, softcap, left_window_size, dtype_name):
+    torch = require("torch")
+    if softcap or left_window_size >= 0:
+        raise NotImplementedError("torch's scaled_dot_product_attention has no softcap / window")
+    if is_causal and q.shape[2] == 1:
+        is_causal = False  # bottom-right causal with one query masks no key
+    if is_causal and q.shape[2] != k.shape[2]:
+        raise NotImplementedError("torch's is_causal is top-left aligned (Sq != Skv)")
+    tq, tk, tv = (_torch_tensor(torch, a) for a in (q, k, v))
+    mask = None
+    if nonpad_kv_seqlen is not None:
+        keep = np.arange(k.shape[2]) < np.asarray(nonpad_kv_seqlen)[:, None]
+        mask = torch.from_numpy(keep[:, None, None, :])
+    elif attn_mask is not None:
+        if is_causal:  # torch takes a mask or is_causal, not both: fold causal in
+            causal = np.tri(q.shape[2], k.shape[2], dtype=bool)
+            if attn_mask.dtype == np.bool_:
+                attn_mask = attn_mask & causal
+            else:
+                attn_mask = attn_mask + np.where(causal, np.float32(0), np.float32(-np.inf))
+            is_causal = False
+        mask = torch.from_numpy(np.ascontiguousarray(attn_mask))
+        if mask.dtype != torch.bool:
+            mask = mask.to(tq.dtype)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = q.shape[1] != k.shape[1]
+
+    def call():
+        with torch.inference_mode():
+            return sdpa(tq, tk, tv, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+
+    return call
+
+
+def torch_sliced_call(q, k, v, lengths):
+    """torch over each batch row's valid prefix of an external cache, one call per row."""
+    torch = require("torch")
+    tq, tk, tv = (_torch_tensor(torch, a) for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    lengths = [int(n) for n in lengths]
+
+    def call():
+        with torch.inference_mode():
+            return torch.cat([sdpa(tq[b:b + 1], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n], enable_gqa=True)
+                              for b, n in enumerate(lengths)])
+
+    return call
+
+
+class _Timed:
+    """numkv's side of a case: ``_inputs`` sets ``self.q, self.k, self.v`` and
+    ``self.kwargs``; setup makes the untimed first call once per process."""
+
     timer = timeit.default_timer
+
+    def setup(self, *params):
+        self.attention = numkv_attention()
+        self._inputs(*params)
+        warm_once((type(self).__name__,) + params, lambda: self.time_attention(*params))
+
+    def time_attention(self, *params):
+        self.attention(self.q, self.k, self.v, **self.kwargs)
+
+
+class _PeerTimed:
+    """A peer's side: the same ``_inputs`` behind a leading ``peer`` parameter;
+    ``_peer_dtype`` picks the dtype the peer runs in."""
+
+    timer = timeit.default_timer
+
+    def _peer_dtype(self, peer, *params):
+        return "float32"
+
+    def setup(self, peer, *params):
+        self._inputs(*params)
+        self.call = peer_call(peer, self.q, self.k, self.v, dtype_name=self._peer_dtype(peer, *params),
+                              **self.kwargs)
+        self.call()  # untimed first run (a new onnxruntime session warms up)
+
+    def time_attention(self, peer, *params):
+        self.call()
+
+
+class Prefill(_Timed):
+    """Causal self-attention over a whole prompt: Sq = Skv, batch 1, Hq 32, Hkv 8, all
+    inputs in ``dtype``."""
+
+    params = [[512, 2048], ["float32", "float16", "bfloat16"]]
+    param_names = ["seq_len", "dtype"]
+
+    def _inputs(self, seq_len, dtype_name):
+        skip_large(seq_len > 512, "seq_len 2048")
+        self.q, self.k, self.v = qkv(1, HQ, HKV, seq_len, seq_len, D, kv_dtype=dtype_name, q_dtype=dtype_name)
+        self.kwargs = {"is_causal": True}
+
+
+class PrefillPeers(_PeerTimed, Prefill):
+    params = [PEERS] + Prefill.params
+    param_names = ["peer"] + Prefill.param_names
+
+    def _peer_dtype(self, peer, seq_len, dtype_name):
+        return dtype_name
+
+
+class FullPrefill(_Timed):
+    """Self-attention without a mask (every query attends every key), float32."""
+
+    params = [1024]
+    param_names = ["seq_len"]
+
+    def _inputs(self, seq_len):
+        self.q, self.k, self.v = qkv(1, HQ, HKV, seq_len, seq_len, D)
+        self.kwargs = {}
+
+
+class FullPrefillPeers(_PeerTimed, FullPrefill):
+    params = [PEERS, FullPrefill.params]
+    param_names = ["peer"] + FullPrefill.param_names
+
+
+class Decode(_Timed):
+    """One query token over ``kv_len`` cached float32 keys (a decode step, no mask).
+    Batch 8 stops at 4096 keys (16384 would be 1 GiB of K/V)."""
+
+    params = [[1, 8], [1024, 2048, 4096, 16384]]
+    param_names = ["batch", "kv_len"]
 
     def _inputs(self, batch, kv_len):
         skip_large(kv_len > 4096, "kv_len 16384")
+        if batch * kv_len > 8 * 4096:
+            raise NotImplementedError("batch 8 x kv_len 16384: 1 GiB of K/V, not benchmarked")
         self.q, self.k, self.v = qkv(batch, HQ, HKV, 1, kv_len, D)
-
-    def setup(self, batch, kv_len):
-        self.attention = numkv_attention()
-        self._inputs(batch, kv_len)
-        warm_once((type(self).__name__, batch, kv_len), lambda: self.time_attention(batch, kv_len))
-
-    def time_attention(self, batch, kv_len):
-        self.attention(self.q, self.k, self.v)
+        self.kwargs = {}
 
 
-class DecodePeers(Decode):
+class DecodePeers(_PeerTimed, Decode):
     params = [PEERS] + Decode.params
     param_names = ["peer"] + Decode.param_names
 
-    def setup(self, peer, batch, kv_len):
-        self._inputs(batch, kv_len)
-        self.call = peer_call(peer, self.q, self.k, self.v)
-        self.call()  # untimed first run (a new onnxruntime session warms up)
 
-    def time_attention(self, peer, batch, kv_len):
-        self.call()
+class KVDtype(_Timed):
+    """Decode (batch 1, 32:8 heads) with float32 queries over a K/V cache stored
+    as float32, float16, bfloat16 or float8_e4m3fn (widened inside the kernel;
+    Y is float32)."""
 
+    params = [["float32", "float16", "bfloat16", "float8_e4m3fn"], [4096, 16384]]
+    param_names = ["kv_dtype", "kv_len"]
 
-class Prefill:
-    """Causal self-attention over a whole prompt: Sq = Skv, batch 1, 8 heads of 128."""
-
-    params = [512, 2048]
-    param_names = ["seq_len"]
-    timer = timeit.default_timer
-    heads = 8
-
-    def _inputs(self, seq_len):
-        skip_large(seq_len > 512, "seq_len 2048")
-        self.q, self.k, self.v = qkv(1, self.heads, self.heads, seq_len, seq_len, D)
-
-    def setup(self, seq_len):
-        self.attention = numkv_attention()
-        self._inputs(seq_len)
-        warm_once((type(self).__name__, seq_len), lambda: self.time_attention(seq_len))
-
-    def time_attention(self, seq_len):
-        self.attention(self.q, self.k, self.v, is_causal=True)
+    def _inputs(self, kv_dtype, kv_len):
+        skip_large(kv_len > 4096, "kv_len 16384")
+        self.q, self.k, self.v = qkv(1, HQ, HKV, 1, kv_len, D, kv_dtype=kv_dtype)
+        self.kwargs = {}
 
 
-class PrefillPeers(Prefill):
-    params = [PEERS, Prefill.params]
-    param_names = ["peer"] + Prefill.param_names
+class KVDtypePeers(_PeerTimed, KVDtype):
+    """The peers in the cache's dtype, all inputs (torch bfloat16 and onnxruntime
+    float16 for float8); the float32 row is the reference."""
 
-    def setup(self, peer, seq_len):
-        self._inputs(seq_len)
-        self.call = peer_call(peer, self.q, self.k, self.v, is_causal=True)
-        self.call()  # untimed first run (a new onnxruntime session warms up)
+    params = [PEERS] + KVDtype.params
+    param_names = ["peer"] + KVDtype.param_names
 
-    def time_attention(self, peer, seq_len):
-        self.call()
+    def _peer_dtype(self, peer, kv_dtype, kv_len):
+        return peer_dtype(peer, kv_dtype)
 
 
-class ExternalCacheDecode:
-    """Decode over a preallocated (8, 8, 4096, 128) cache whose rows hold
-    ``nonpad_kv_seqlen`` valid tokens: "ragged" (256 ... 4096) or "full"."""
+EXTERNAL_LENGTHS = {"ragged": [1024, 2048, 3072, 4096], "full": [4096] * 4}
 
-    params = ["ragged", "full"]
+
+class ExternalCacheDecode(_Timed):
+    """Decode over a preallocated (4, 8, 4096, 128) cache whose rows hold
+    ``nonpad_kv_seqlen`` valid tokens ("ragged": 1024 ... 4096, or "full"),
+    ``is_causal`` (bottom-right: with one query, every valid key)."""
+
+    params = list(EXTERNAL_LENGTHS)
     param_names = ["lengths"]
-    timer = timeit.default_timer
-    batch, max_seq = 8, 4096
+    max_seq = 4096
 
     def _inputs(self, lengths):
-        self.q, self.k, self.v = qkv(self.batch, HQ, HKV, 1, self.max_seq, D)
-        if lengths == "ragged":
-            self.lengths = np.linspace(256, self.max_seq, self.batch).astype(np.int64)
-        else:
-            self.lengths = np.full(self.batch, self.max_seq, np.int64)
-
-    def setup(self, lengths):
-        self.attention = numkv_attention()
-        self._inputs(lengths)
-        warm_once((type(self).__name__, lengths), lambda: self.time_attention(lengths))
-
-    def time_attention(self, lengths):
-        self.attention(self.q, self.k, self.v, nonpad_kv_seqlen=self.lengths)
+        self.lengths = np.array(EXTERNAL_LENGTHS[lengths], np.int64)
+        self.q, self.k, self.v = qkv(len(self.lengths), HQ, HKV, 1, self.max_seq, D)
+        self.kwargs = {"nonpad_kv_seqlen": self.lengths, "is_causal": True}
 
 
-class ExternalCacheDecodePeers(ExternalCacheDecode):
-    params = [PEERS, ExternalCacheDecode.params]
+class ExternalCacheDecodePeers(_PeerTimed, ExternalCacheDecode):
+    """onnxruntime with ``nonpad_kv_seqlen`` (opset 24), torch with the equivalent
+    bool mask, and torch over K/V sliced to each row's length ("torch sliced")."""
+
+    params = [PEERS + ["torch sliced"], ExternalCacheDecode.params]
     param_names = ["peer"] + ExternalCacheDecode.param_names
 
     def setup(self, peer, lengths):
+        if peer != "torch sliced":
+            return super().setup(peer, lengths)
         self._inputs(lengths)
-        self.call = peer_call(peer, self.q, self.k, self.v, nonpad_kv_seqlen=self.lengths)
-        self.call()  # untimed first run (a new onnxruntime session warms up)
-
-    def time_attention(self, peer, lengths):
+        self.call = torch_sliced_call(self.q, self.k, self.v, self.lengths)
         self.call()
+
+
+class TransformersDecode(_Timed):
+    """A decode step of a transformers-sized model: batch 1, Hq 16, Hkv 4,
+    head_size 64, 1088 cached keys, float32."""
+
+    def _inputs(self):
+        self.q, self.k, self.v = qkv(1, 16, 4, 1, 1088, 64)
+        self.kwargs = {}
+
+
+class TransformersDecodePeers(_PeerTimed, TransformersDecode):
+    params = [PEERS]
+    param_names = ["peer"]
 
 
 GQA = {"MHA 32:32": 32, "GQA 32:8": 8, "MQA 32:1": 1}
 
 
-class GroupedQuery:
+class GroupedQuery(_Timed):
     """Decode (batch 1, kv_len 4096) with 32 query heads over 32, 8 or 1 K/V heads."""
 
     params = list(GQA)
     param_names = ["q_heads:kv_heads"]
-    timer = timeit.default_timer
 
     def _inputs(self, ratio):
         self.q, self.k, self.v = qkv(1, HQ, GQA[ratio], 1, 4096, D)
-
-    def setup(self, ratio):
-        self.attention = numkv_attention()
-        self._inputs(ratio)
-        warm_once((type(self).__name__, ratio), lambda: self.time_attention(ratio))
-
-    def time_attention(self, ratio):
-        self.attention(self.q, self.k, self.v)
+        self.kwargs = {}
 
 
-class GroupedQueryPeers(GroupedQuery):
+class GroupedQueryPeers(_PeerTimed, GroupedQuery):
     params = [PEERS, GroupedQuery.params]
     param_names = ["peer"] + GroupedQuery.param_names
-
-    def setup(self, peer, ratio):
-        self._inputs(ratio)
-        self.call = peer_call(peer, self.q, self.k, self.v)
-        self.call()  # untimed first run (a new onnxruntime session warms up)
-
-    def time_attention(self, peer, ratio):
-        self.call()
-
-
-class KVDtype:
-    """Decode (batch 1, kv_len 4096, 32:8 heads) with float32 queries over a
-    K/V cache stored as float32, float16, bfloat16 or float8_e4m3fn (widened
-    inside the kernel; Y is float32)."""
-
-    params = ["float32", "float16", "bfloat16", "float8_e4m3fn"]
-    param_names = ["kv_dtype"]
-    timer = timeit.default_timer
-
-    def setup(self, kv_dtype):
-        self.attention = numkv_attention()
-        self.q, self.k, self.v = qkv(1, HQ, HKV, 1, 4096, D, kv_dtype=kv_dtype)
-        warm_once((type(self).__name__, kv_dtype), lambda: self.time_attention(kv_dtype))
-
-    def time_attention(self, kv_dtype):
-        self.attention(self.q, self.k, self.v)
 
 
 FEATURES = ["causal", "bool mask", "float mask", "softcap", "sliding window"]
@@ -273,36 +360,19 @@ def feature_kwargs(feature, seq_len, seed=4):
     return kwargs
 
 
-class Features:
+class Features(_Timed):
     """Causal prefill (batch 1, Sq = Skv = 1024, 8 heads of 64) plus a bool
     mask, an additive float mask, softcap, or a 256-token sliding window."""
 
     params = FEATURES
     param_names = ["feature"]
-    timer = timeit.default_timer
     seq_len, heads, head_size = 1024, 8, 64
 
     def _inputs(self, feature):
         self.q, self.k, self.v = qkv(1, self.heads, self.heads, self.seq_len, self.seq_len, self.head_size)
         self.kwargs = feature_kwargs(feature, self.seq_len)
 
-    def setup(self, feature):
-        self.attention = numkv_attention()
-        self._inputs(feature)
-        warm_once((type(self).__name__, feature), lambda: self.time_attention(feature))
 
-    def time_attention(self, feature):
-        self.attention(self.q, self.k, self.v, **self.kwargs)
-
-
-class FeaturesPeers(Features):
+class FeaturesPeers(_PeerTimed, Features):
     params = [PEERS, Features.params]
     param_names = ["peer"] + Features.param_names
-
-    def setup(self, peer, feature):
-        self._inputs(feature)
-        self.call = peer_call(peer, self.q, self.k, self.v, **self.kwargs)
-        self.call()  # untimed first run (a new onnxruntime session warms up)
-
-    def time_attention(self, peer, feature):
-        self.call()

@@ -12,20 +12,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _config, _threads
-from ._dtypes import ATTENTION_DTYPES, FLOAT8_TYPES, kernel_operand
+from ._dtypes import (ATTENTION_DTYPES, e8m0_table, FLOAT8_TYPES, byte_operand, flat_view,
+                      kernel_dtype_codes)
 from ._validate import as_array, as_float, as_int, index_vector
 
 # ONNX TensorProto codes: FLOAT, FLOAT16, DOUBLE, BFLOAT16.  DOUBLE makes the
 # kernel accumulate in float64; the others are met by float32 accumulation.
 SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 
-# Tile defaults (queries per tile, keys per tile).  Splitting the key range of
-# few-query work (decode) into chunks keeps every core busy; the chunk length
-# depends on the shapes only (STYLE: results independent of the thread count).
-BLOCK_Q = 16
-BLOCK_K = 64
-TARGET_ITEMS = 64
-MIN_CHUNK = 512
+# Tile policy.  A work item scores ``G * block_q`` query rows at once
+# (``ROWS_PER_TILE``); with at least ``BLAS_MIN_ROWS`` rows its products go to
+# BLAS, each kept within ``GEMM_MNK_LIMIT`` (OpenBLAS runs a gemm of M*N*K <=
+# 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread, so it never
+# starts threads of its own inside numba's).  Fewer rows (decode) take the
+# loop kernel over ``LOOP_BLOCK_K`` keys a tile.  Splitting the key range of
+# few-query work into chunks keeps every core busy: ``TARGET_ITEMS`` items
+# (>= 4 per thread up to 64 threads), chunks of at least ``MIN_CHUNK`` keys;
+# the chunk length depends on the shapes only, so results do not depend on
+# the thread count.
+ROWS_PER_TILE = 64
+BLAS_MIN_ROWS = 16
+GEMM_MNK_LIMIT = 1 << 18
+LOOP_BLOCK_K = 64
+TARGET_ITEMS = 256
+MIN_CHUNK = 128
 SINGLE_THREAD_MACS = 1 << 16
 
 _kernels = None
@@ -114,53 +124,95 @@ class AttentionCall:
         return y if y.dtype == self.out_dtype else y.astype(self.out_dtype)
 
 
-def run(call, block_q=None, block_k=None, kv_chunk=None):
-    """Run the kernel on a prepared call; tile sizes are overridable for tests."""
+def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
+    """Run the kernel on a prepared call.  Tests may force the tile sizes,
+    the key chunk, and the rows from which products go to BLAS."""
     y, y4 = call.new_output()
     if y.size == 0:
         return call.finish(y)
+    kernels = _attention_kernels()
     b, hq, sq, d = call.q.shape
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
-    block_q = min(block_q or BLOCK_Q, sq)
-    block_k = block_k or BLOCK_K
-    n_qt = -(-sq // block_q)
+    group = hq // hkv
+    auto_q, auto_k = _tiles(group, sq, max(d, dv))
+    block_q = min(block_q or auto_q, sq)
+    block_k = block_k or auto_k
+    n_q_tiles = -(-sq // block_q)
     if kv_chunk is None:
-        kv_chunk = _kv_chunk(b * hkv * n_qt, total, block_k)
+        kv_chunk = _kv_chunk(b * hkv * n_q_tiles, total, block_k)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
-    n_ch = max(1, -(-total // kv_chunk))
+    n_chunks = max(1, -(-total // kv_chunk))
+    # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
+    n_units = n_q_tiles if n_chunks > 1 else -(-n_q_tiles // 2)
 
-    operands = {}
-    for name in ("q", "past_k", "k", "past_v", "v"):
-        operands[name] = kernel_operand(getattr(call, name))
-    if call.mask is not None:
-        m_flat, m_base, m_strides, _ = kernel_operand(call.mask)
+    ints = _fields(kernels.INT_FIELDS,
+                   batch=b, q_heads=hq, kv_heads=hkv, q_len=sq, total=total,
+                   past=call.past_k.shape[2], head_size=d, v_head_size=dv,
+                   causal=int(call.is_causal), left=call.left, right=call.right,
+                   has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
+                   n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
+                   blas_rows=BLAS_MIN_ROWS if blas_rows is None else blas_rows)
+    codes = kernel_dtype_codes(kernels.DTYPE_CODES)
+    buffers, desc = [], np.zeros((len(kernels.TENSORS), len(kernels.TENSOR_FIELDS)), np.int64)
+    for row, name in enumerate(kernels.TENSORS[:5]):  # q, past_k, k, past_v, v: raw bytes
+        flat, base, strides = byte_operand(getattr(call, name))
+        buffers.append(flat)
+        desc[row] = (base, *strides, codes[getattr(call, name).dtype])
+    mask = call.mask if call.mask is not None else np.zeros((1, 1, 1, 1), call.acc_dtype)
+    (mask_flat, *mask_desc), (y_flat, *y_desc) = (flat_view(a, call.acc_dtype) for a in (mask, y4))
+    desc[kernels.T_MASK, :5] = (mask_desc[0], *mask_desc[1])
+    desc[kernels.T_Y, :5] = (y_desc[0], *y_desc[1])
+    floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
+
+    n_items = b * hkv * n_units
+    rows = group * block_q
+    if n_chunks > 1:
+        part_m = np.empty((n_items * n_chunks, rows), call.acc_dtype)
+        part_l = np.empty((n_items * n_chunks, rows), call.acc_dtype)
+        part_acc = np.empty((n_items * n_chunks, rows, dv), call.acc_dtype)
     else:
-        m_flat, m_base, m_strides = np.zeros(1, call.acc_dtype), 0, [0, 0, 0, 0]
-    y_flat, y_base, y_strides, _ = kernel_operand(y4)
-
-    ints = np.array([
-        b, hq, hkv, sq, total, call.past_k.shape[2], d, dv,
-        int(call.is_causal), call.left, call.right, int(call.mask is not None),
-        block_q, block_k, kv_chunk, n_qt, n_ch,
-        operands["q"][1], operands["past_k"][1], operands["k"][1],
-        operands["past_v"][1], operands["v"][1], m_base, y_base,
-    ], np.int64)
-    strides = np.array(
-        [*operands["q"][2], *operands["past_k"][2], *operands["k"][2],
-         *operands["past_v"][2], *operands["v"][2], *m_strides, *y_strides], np.int64)
-    floats = np.array([call.scale, call.softcap], call.acc_dtype)  # scalars typed like the scores
-    # The tiniest calls cost less than a parallel launch, which on an
-    # oversubscribed machine (OpenMP threads spinning) cost 23 ms against
-    # 0.5 ms on one thread.
+        part_m = part_l = np.empty((1, 1), call.acc_dtype)
+        part_acc = np.empty((1, 1, 1), call.acc_dtype)
+    # The tiniest calls cost less than handing out shares to other threads.
     small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
-    kernels = _attention_kernels()
-    _threads.launch(kernels.attention_parallel, kernels.attention_serial, (
-        operands["q"][0], operands["q"][3],
-        operands["past_k"][0], operands["k"][0], operands["k"][3],
-        operands["past_v"][0], operands["v"][0], operands["v"][3],
-        m_flat, y_flat, ints, strides, floats, call.offset, call.valid,
-    ), small)
+    _threads.run(kernels.attention_items, n_items * n_chunks, (
+        *buffers, mask_flat, y_flat, ints, desc, floats, call.offset, call.valid, e8m0_table(),
+        kernels.FORMAT_TABLE, part_m, part_l, part_acc), small)
+    if n_chunks > 1:  # merge the chunks' partial softmaxes
+        _threads.run(kernels.attention_merge, n_items, (y_flat, ints, desc, part_m, part_l, part_acc),
+                     small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
     return call.finish(y)
+
+
+def _scale_factors(scale, dtype):
+    """``(q_scale, score_scale)``: Q is multiplied by the first, the scores by
+    the second.  The reference multiplies Q and K by ``sqrt(scale)`` each; one
+    factor on Q does the same where ``scale`` itself is a normal number of the
+    accumulation dtype, and costs no pass over the scores."""
+    info = np.finfo(dtype)
+    if scale == 0 or info.tiny <= abs(scale) <= info.max:
+        return scale, 1.0
+    root = math.sqrt(scale)
+    return root, root
+
+
+def _fields(names, **values):
+    """An int64 array holding ``values`` in the order of ``names`` (all of them)."""
+    if set(values) != set(names):
+        raise AssertionError(f"kernel fields differ: {sorted(set(values) ^ set(names))}")
+    return np.array([values[name] for name in names], np.int64)
+
+
+def _tiles(group, sq, d_max):
+    """Default ``(block_q, block_k)`` for ``group`` query heads per kv head."""
+    block_q = max(1, min(sq, ROWS_PER_TILE // group))
+    rows = group * block_q
+    if rows < BLAS_MIN_ROWS:
+        return block_q, LOOP_BLOCK_K
+    block_k = max(8, GEMM_MNK_LIMIT // (rows * d_max))
+    while block_q > 1 and group * block_q * block_k * d_max > GEMM_MNK_LIMIT:
+        block_q //= 2
+    return block_q, min(block_k, 256)
 
 
 def _kv_chunk(n_items, total, block_k):

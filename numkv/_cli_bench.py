@@ -1,13 +1,36 @@
-"""``python -m numkv bench``: numkv's speed beside the reference and the peers.
+"""``python -m numkv bench``: numkv's speed beside its peers and the machine's limits.
 
-Times the public API (``numkv.tensor_scatter``, ``numkv.attention``) on a few
-fixed cases next to NumPy, ``onnx.reference`` (the executable ONNX spec) and,
-when installed, onnxruntime and torch.  Each figure is the median over
-repeated samples of the time per call, the implementations of a case sampled
-in turn; the first call of each implementation (numba's compilation,
-onnxruntime's session warm-up) is made before timing.
-The ratio column is each time divided by numkv's (above 1: slower than numkv).
+Times the public API (``numkv.attention``, ``numkv.tensor_scatter``) on fixed
+cases (``numkv._bench_cases``: the workloads, their FLOPs and bytes, the
+peers) beside onnxruntime, torch, ``onnx.reference`` (the executable ONNX
+spec) and NumPy, whichever are installed.
 
+Method
+------
+* Every figure is the **median** time per call over repeated samples.  The
+  first call of each implementation (numba's compilation, onnxruntime's
+  session warm-up) is made before timing and its output kept for the
+  ``max|dY|`` check against numkv's Y.
+* The implementations of a case are **sampled in turn**, one sample of each
+  per round, so a slow spell of a shared machine falls on all of them alike:
+  the ratios hold better than the times.  A sample runs its call often enough
+  to last 20 ms; a slow call gets fewer samples (``budget`` seconds each), never
+  fewer than the case's minimum (5 for the attention cases, 3 with ``--quick``).
+* **ratio** = the implementation's time / numkv's (above 1: slower than numkv).
+* **rate** and **% of limit**: the machine limits are measured at the start of
+  the run (``numkv._bench_limits``: an fp32 GEMM rate and a parallel read
+  bandwidth).  A prefill line quotes its FLOPs per second (exact FLOPs: for each
+  query row, the keys it attends x 2 x (D + Dv) x heads) as a % of the GEMM
+  rate; a decode line the bytes it must move (the attended K and V rows, read
+  once, plus Q and Y, in the dtypes that implementation is given) per second as
+  a % of the read bandwidth.  Peers get the same formula for the same work.
+  Above 100 %: a peer's own GEMM (MKL, MLAS) beats NumPy's BLAS, K/V partly
+  sat in cache, or the limit was measured in a slow spell of a shared machine.
+* The run ends with a summary: per case, numkv's time, the fastest other
+  implementation and its time, their ratio and both % of limit.
+
+``--only REGEX`` runs the cases whose id or title matches (``--list`` shows
+them); ``--plot FILE.png`` runs the sweep of ``numkv._cli_plot`` instead.
 This is a quick side-by-side; the asv suite (``asv_benchmarks/``) is the
 tracked, parameterised one.
 """
@@ -18,51 +41,62 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
 import numkv
 from numkv._config import runtime_info, set_threads
 
-CACHE_SHAPE = (4, 8, 4096, 128)  # (batch, kv heads, max_seq, head_dim)
-WRITE_INDICES = np.array([0, 1000, 2048, 4095], np.int64)  # each row at its own length
-DECODE = dict(batch=1, q_heads=32, kv_heads=8, q_len=1, kv_len=4096, head_size=128)
-PREFILL = dict(batch=1, q_heads=8, kv_heads=8, q_len=2048, kv_len=2048, head_size=128)
+LABEL_WIDTH = 54
 
 
 def add_parser(subparsers):
     parser = subparsers.add_parser(
-        "bench", help="numkv's speed beside onnx.reference and the installed peers",
-        description="numkv's speed beside NumPy, onnx.reference and the installed peers "
-                    "(onnxruntime, torch): medians of repeated runs, ratios to numkv.",
+        "bench", help="numkv's speed beside its peers and the machine's limits",
+        description="numkv's speed beside onnxruntime, torch, onnx.reference and NumPy (those installed): "
+                    "medians of samples taken in turn, ratios to numkv, and each line's share of the "
+                    "machine's GEMM rate (prefill) or read bandwidth (decode), measured at the start.",
     )
     parser.add_argument("--quick", action="store_true",
-                        help="fewer, shorter samples (a rough figure in seconds)")
+                        help="fewer samples per case (at least 3): rough figures, a shorter run")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="threads for numkv (numba), onnxruntime and torch (default: their own, "
+                        help="threads for numkv (numba), BLAS, onnxruntime and torch (default: their own, "
                              "usually one per core)")
+    parser.add_argument("--only", default=None, metavar="REGEX",
+                        help="run only the cases whose id or title matches REGEX (see --list)")
+    parser.add_argument("--list", action="store_true", help="list the cases (id and title) and exit")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="instead of the cases, time decode and prefill over a range of lengths and "
+                             "draw them, numkv beside every installed peer (needs matplotlib: numkv[plot])")
     parser.set_defaults(run=run)
     return parser
 
 
 # -- timing -------------------------------------------------------------------
 
-def measure(fns, repeats, min_sample=0.02, budget=10.0):
+def measure(fns, repeats, min_sample=0.02, budget=10.0, min_samples=3, warm_up=True):
     """Median seconds per call of each of ``fns``, over ``repeats`` samples each;
     a sample runs its ``fn`` enough times to last ``min_sample`` seconds, and a
     slow ``fn`` (one call longer than ``budget / repeats``) gets fewer samples,
-    at least 3.  The samples are taken in turn, one of each ``fn`` per round,
-    so a slow spell of a shared machine falls on every implementation alike."""
+    at least ``min_samples``.  The samples are taken in turn, one of each ``fn``
+    per round, so a slow spell of a shared machine falls on every implementation
+    alike.  ``warm_up``: make each ``fn``'s first (compiling) call here; pass
+    False when the caller already did."""
     counts = []
     for fn in fns:
-        fn()  # the first call compiles / warms up: never timed
+        if warm_up:
+            fn()  # the first call compiles / warms up: never timed
         number = 1
         while True:  # size the samples (as timeit.Timer.autorange does)
             elapsed = _sample(fn, number) * number
             if elapsed >= min_sample:
                 break
             number *= 10 if elapsed < min_sample / 10 else 2
-        counts.append((number, max(3, min(repeats, int(budget / max(elapsed, 1e-9))))))
+        samples = max(min_samples, min(repeats, int(budget / max(elapsed, 1e-9))))
+        counts.append((number, samples))
     samples = [[] for _ in fns]
     for round_ in range(max(n for _, n in counts)):
         for fn, (number, n), got in zip(fns, counts, samples):
@@ -79,197 +113,205 @@ def _sample(fn, number):
     return (time.perf_counter() - t0) / number
 
 
-def _fmt_time(seconds):
+@dataclass
+class Settings:
+    repeats: int = 15
+    budget: float = 10.0  # seconds of samples per implementation
+    min_samples: int = 5  # for the attention cases (the scatter ones take 3)
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(3, 2.0, 3) if args.quick else cls()
+
+
+@dataclass
+class Timing:
+    """An implementation's outcome: its time, or why it has none."""
+
+    impl: object  # _bench_cases.Impl
+    seconds: Optional[float] = None
+    max_dy: Optional[float] = None
+    note: str = ""
+
+    def rate(self):
+        """Work per second (FLOP/s or bytes/s), when both are known."""
+        if self.seconds is None or self.impl.work is None:
+            return None
+        return self.impl.work / self.seconds
+
+
+@dataclass
+class CaseTiming:
+    case: object  # _bench_cases.Case
+    timings: list = field(default_factory=list)
+
+    def numkv(self):
+        first = self.timings[0] if self.timings else None
+        return first if first is not None and first.impl.peer == "numkv" else None
+
+    def best_peer(self):
+        timed = [t for t in self.timings[1:] if t.seconds is not None]
+        return min(timed, key=lambda t: t.seconds) if timed else None
+
+
+def time_case(case, settings):
+    """Build ``case``'s implementations, make each one's first call (a failure
+    is noted, the rest go on), then time those that ran, in turn."""
+    timings, outputs = [], []
+    for impl in case.build():
+        timing = Timing(impl, note=impl.note)
+        timings.append(timing)
+        if impl.fn is None:
+            continue
+        try:
+            outputs.append((timing, impl.fn()))
+        except Exception as e:  # a peer that can't run this case: say so, go on
+            timing.note = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    ran = [t for t, _ in outputs]
+    if ran:
+        min_samples = max(3, min(case.min_samples, settings.min_samples))
+        times = measure([t.impl.fn for t in ran], settings.repeats, budget=settings.budget,
+                        min_samples=min_samples, warm_up=False)
+        for timing, seconds in zip(ran, times):
+            timing.seconds = seconds
+    if case.check and outputs:
+        _check_outputs(outputs)
+    return CaseTiming(case, timings)
+
+
+def _check_outputs(outputs):
+    """``max|dY|`` of each output against the first one (numkv's), in float32."""
+    expected = as_float32(outputs[0][1])
+    for timing, y in outputs[1:]:
+        try:
+            timing.max_dy = float(np.max(np.abs(as_float32(y) - expected)))
+        except Exception:  # an output we can't read as an array: no check, no crash
+            timing.max_dy = None
+
+
+def as_float32(y):
+    """A NumPy float32 copy of Y from any implementation (torch tensors included)."""
+    if hasattr(y, "detach"):  # torch: bfloat16 has no NumPy twin
+        y = y.detach().float().numpy()
+    return np.asarray(y).astype(np.float32)
+
+
+# -- the report --------------------------------------------------------------------
+
+def fmt_time(seconds):
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale:
             return f"{seconds / scale:8.2f} {unit:<2}"
     return f"{seconds / 1e-9:8.1f} ns"
 
 
+def fmt_rate(rate, limit):
+    if rate is None or limit is None:
+        return ""
+    return f"{rate / 1e9:7.1f} {'GFLOP/s' if limit == 'gemm' else 'GB/s':<7}"
+
+
+def percent_of_limit(timing, limit, limits):
+    rate = timing.rate()
+    if rate is None or limit is None or limits is None:
+        return None
+    return 100.0 * rate / limits.per_second(limit)
+
+
+def _fmt_percent(percent, limit):
+    if percent is None:
+        return ""
+    return f"{percent:5.0f}% {'GEMM' if limit == 'gemm' else 'read'}"
+
+
+def print_case(result, limits):
+    """One line per implementation: time, ratio to numkv, rate, % of limit, max|dY|."""
+    limit = result.case.limit
+    base = result.timings[0].seconds if result.timings else None
+    for timing in result.timings:
+        label = timing.impl.label
+        if timing.seconds is None:
+            print(f"  {label:<{LABEL_WIDTH}} {timing.note}")
+            continue
+        ratio = f"{timing.seconds / base:7.2f}x" if base else "        "
+        parts = [fmt_time(timing.seconds), ratio, fmt_rate(timing.rate(), limit),
+                 _fmt_percent(percent_of_limit(timing, limit, limits), limit)]
+        if timing.max_dy is not None:
+            parts.append(f"max|dY| {timing.max_dy:.1e}")
+        print(f"  {label:<{LABEL_WIDTH}} " + "  ".join(p for p in parts if p))
+    sys.stdout.flush()
+
+
+def print_summary(results, limits):
+    """The table the issue notes quote: numkv beside its fastest peer, per case."""
+    print("\nsummary: best peer = the fastest other implementation; ratio = its time / numkv's "
+          "(below 1: the peer is faster); % = share of the machine limit (GEMM rate for prefill, "
+          "read bandwidth for decode)")
+    width = max([len(r.case.id) for r in results] + [4])
+    print(f"  {'case':<{width}} {'numkv':>11} {'%':>5}  {'best peer':<42} {'time':>11} {'%':>5} {'ratio':>8}")
+    for result in results:
+        mine, best, limit = result.numkv(), result.best_peer(), result.case.limit
+        cells = [f"  {result.case.id:<{width}}"]
+        cells.append(_summary_time(mine) + _summary_percent(mine, limit, limits))
+        if best is None:
+            cells.append(f"  {'(no peer ran)':<42}")
+        else:
+            label = best.impl.label if len(best.impl.label) <= 42 else best.impl.label[:41] + "~"
+            cells.append(f"  {label:<42}" + _summary_time(best) + _summary_percent(best, limit, limits))
+            if mine is not None and mine.seconds:
+                cells.append(f" {best.seconds / mine.seconds:7.2f}x")
+        print("".join(cells))
+    sys.stdout.flush()
+
+
+def _summary_time(timing):
+    return f" {fmt_time(timing.seconds)}" if timing is not None and timing.seconds is not None else f" {'-':>11}"
+
+
+def _summary_percent(timing, limit, limits):
+    percent = percent_of_limit(timing, limit, limits) if timing is not None else None
+    return f" {percent:4.0f}%" if percent is not None else f" {'':>5}"
+
+
+# -- the run -----------------------------------------------------------------------
+
 def _have(module):
     return importlib.util.find_spec(module) is not None
 
 
 def _set_threads(n):
-    """Thread counts for the three runtimes.  numkv's kernels are numba's:
-    NUMBA_NUM_THREADS before numba is imported, ``set_num_threads`` after."""
+    """Thread counts for every runtime.  numkv's kernels are numba's; BLAS (the
+    GEMM limit, NumPy's matmuls) is set through threadpoolctl where installed;
+    onnxruntime's sessions take ``n`` when they are made."""
     if n is None:
-        return
+        return nullcontext()
     if n < 1:
         raise SystemExit("--threads must be >= 1")
-    set_threads(n)
-    if "torch" in sys.modules or _have("torch"):
-        import torch
-
-        torch.set_num_threads(n)
-
-
-# -- the implementations --------------------------------------------------------
-
-def _onnx_model(node, inputs, outputs, opset):
-    from onnx import helper
-
-    graph = helper.make_graph([node], node.op_type, [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
-                              [helper.make_tensor_value_info(n, t, None) for n, t in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10
-    return model
-
-
-def _scatter_model():
-    from onnx import TensorProto as tp, helper
-
-    node = helper.make_node("TensorScatter", ["past", "update", "write_indices"], ["present"],
-                            axis=-2, mode="linear")
-    return _onnx_model(node, [("past", tp.FLOAT), ("update", tp.FLOAT), ("write_indices", tp.INT64)],
-                       [("present", tp.FLOAT)], opset=24)
-
-
-def _attention_model(is_causal):
-    from onnx import TensorProto as tp, helper
-
-    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=int(is_causal))
-    return _onnx_model(node, [("Q", tp.FLOAT), ("K", tp.FLOAT), ("V", tp.FLOAT)], [("Y", tp.FLOAT)], opset=23)
-
-
-def _ort_session(model, threads):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # TensorScatter logs a warning on every copying run
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def _numpy_assign(dst, update, starts):
-    for b, w in enumerate(starts):
-        dst[b, :, w:w + update.shape[2]] = update[b]
-    return dst
-
-
-def _copy_into(dst, src):
-    np.copyto(dst, src)
-    return dst
-
-
-def scatter_cases(threads):
-    """(title, [(label, fn)]) for the three forms of a 1-token update."""
-    rng = np.random.default_rng(0)
-    past = rng.standard_normal(CACHE_SHAPE, dtype=np.float32)
-    update = rng.standard_normal(CACHE_SHAPE[:2] + (1,) + CACHE_SHAPE[3:], dtype=np.float32)
-    other = np.zeros_like(past)
-    idx, starts = WRITE_INDICES, WRITE_INDICES.tolist()
-    shape = "x".join(map(str, CACHE_SHAPE))
-
-    ref = ort = None
-    if _have("onnx"):
-        from onnx.reference import ReferenceEvaluator
-
-        ref = ReferenceEvaluator(_scatter_model())
-    if _have("onnxruntime") and _have("onnx"):
-        import onnxruntime
-
-        ort = _ort_session(_scatter_model(), threads)
-
-        def bound(out):
-            io = ort.io_binding()
-            io.bind_cpu_input("past", past)
-            io.bind_cpu_input("write_indices", idx)
-            # Bound to the cache's own buffer, onnxruntime skips its copy (in place).
-            io.bind_output("present", "cpu", 0, np.float32, out.shape, out.ctypes.data)
-
-            def call():  # a new update every step, as in a decode loop
-                io.bind_ortvalue_input("update", onnxruntime.OrtValue.ortvalue_from_numpy(update))
-                ort.run_with_iobinding(io)
-
-            return call
-
-    feed = {"past": past, "update": update, "write_indices": idx}
-    in_place = [
-        ("numkv tensor_scatter(out=cache)", lambda: numkv.tensor_scatter(past, update, idx, out=past)),
-        ("numpy per-row slice assignment", lambda: _numpy_assign(past, update, starts)),
-    ]
-    functional = [
-        ("numkv tensor_scatter()", lambda: numkv.tensor_scatter(past, update, idx)),
-        ("numpy past.copy() + assignment", lambda: _numpy_assign(past.copy(), update, starts)),
-    ]
-    out_other = [
-        ("numkv tensor_scatter(out=other)", lambda: numkv.tensor_scatter(past, update, idx, out=other)),
-        ("numpy np.copyto + assignment", lambda: _numpy_assign(_copy_into(other, past), update, starts)),
-    ]
-    if ort is not None:
-        in_place.append(("onnxruntime TensorScatter (IOBinding, in place)", bound(past)))
-        functional.append(("onnxruntime TensorScatter (run)", lambda: ort.run(None, feed)))
-        out_other.append(("onnxruntime TensorScatter (IOBinding, out=other)", bound(other)))
-    if ref is not None:  # the reference has one form: it returns a new array
-        for impls in (in_place, functional, out_other):
-            impls.append(("onnx.reference TensorScatter (new array)", lambda: ref.run(None, feed)))
-    return [
-        (f"tensor_scatter: 1-token append, in place, {shape} float32, per-row write_indices", in_place),
-        (f"tensor_scatter: 1-token update, functional (new array), {shape} float32", functional),
-        (f"tensor_scatter: 1-token update into another buffer (out=other), {shape} float32", out_other),
-    ]
-
-
-def attention_case(name, dims, is_causal, threads):
-    """(title, [(label, fn)]) for one attention shape; each ``fn`` returns Y."""
-    rng = np.random.default_rng(1)
-    b, hq, hkv, sq, skv, d = (dims[k] for k in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_size"))
-    q = rng.standard_normal((b, hq, sq, d), dtype=np.float32)
-    k = rng.standard_normal((b, hkv, skv, d), dtype=np.float32) * np.float32(d ** -0.25)
-    v = rng.standard_normal((b, hkv, skv, d), dtype=np.float32)
-    feed = {"Q": q, "K": k, "V": v}
-    impls = [("numkv attention", lambda: numkv.attention(q, k, v, is_causal=is_causal))]
-    if _have("onnxruntime") and _have("onnx"):
-        session = _ort_session(_attention_model(is_causal), threads)
-        impls.append(("onnxruntime Attention (opset 23)", lambda: session.run(None, feed)[0]))
+    getattr(numkv, "set_num_threads", set_threads)(n)
     if _have("torch"):
         import torch
 
-        tq, tk, tv = map(torch.from_numpy, (q, k, v))
-        sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch.set_num_threads(n)
+    if _have("threadpoolctl"):
+        from threadpoolctl import threadpool_limits
 
-        def torch_call():
-            with torch.inference_mode():
-                return sdpa(tq, tk, tv, is_causal=is_causal, enable_gqa=hq != hkv).numpy()
-
-        impls.append((f"torch {torch.__version__} scaled_dot_product_attention", torch_call))
-    if _have("onnx"):
-        from onnx.reference import ReferenceEvaluator
-
-        ref = ReferenceEvaluator(_attention_model(is_causal))
-        impls.append(("onnx.reference Attention", lambda: ref.run(None, feed)[0]))
-    title = (f"attention: {name}, B={b} Hq={hq} Hkv={hkv} D={d} Sq={sq} Skv={skv}"
-             f"{' causal' if is_causal else ''}, float32")
-    return title, impls
+        return threadpool_limits(n, user_api="blas")
+    return nullcontext()
 
 
-# -- the report --------------------------------------------------------------------
-
-def _report(title, impls, repeats, budget, check):
-    print(f"\n{title}")
-    runnable = []
-    for label, fn in impls:
-        try:
-            fn()
-        except Exception as e:  # a peer that can't run this case: say so, go on
-            print(f"  {label:<52} failed: {type(e).__name__}: {str(e)[:120]}")
-        else:
-            runnable.append((label, fn))
-    if not runnable:
-        return
-    times = measure([fn for _, fn in runnable], repeats, budget=budget)
-    expected = np.asarray(runnable[0][1]()) if check else None
-    for (label, fn), seconds in zip(runnable, times):
-        note = ""
-        if check and fn is not runnable[0][1]:
-            note = f"  max|dY| {float(np.max(np.abs(np.asarray(fn()) - expected))):.1e}"
-        print(f"  {label:<52} {_fmt_time(seconds)}  {seconds / times[0]:7.2f}x{note}")
-    sys.stdout.flush()
+def machine_name():
+    """The CPU model (from /proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def _versions():
+def versions():
     parts = [f"numpy {np.__version__}", f"numba {runtime_info()[0]}"]
     for module in ("onnx", "onnxruntime", "torch"):
         if _have(module):
@@ -279,24 +321,62 @@ def _versions():
     return ", ".join(parts)
 
 
-def run(args):
-    threads = args.threads
-    _set_threads(threads)
-    repeats, budget = (3, 2.0) if args.quick else (15, 10.0)
-
-    print(f"numkv {numkv.__version__} bench on {platform.machine()} ({os.cpu_count()} CPUs), "
+def print_header(threads):
+    print(f"numkv {numkv.__version__} bench on {machine_name()} ({platform.machine()}, {os.cpu_count()} CPUs), "
           f"Python {platform.python_version()}")
-    print(f"  {_versions()}")
+    print(f"  {versions()}")
     print(f"  numkv threads: {runtime_info()[1]}"
           + (f" (--threads {threads} for every runtime)" if threads else " (each runtime's default)"))
-    print(f"  median time per call over up to {repeats} samples; ratio = time / numkv's time")
 
-    for title, impls in scatter_cases(threads):
-        _report(title, impls, repeats, budget, check=False)
-    if hasattr(numkv, "attention"):
-        for name, dims, causal in (("decode", DECODE, False), ("causal prefill", PREFILL, True)):
-            title, impls = attention_case(name, dims, causal, threads)
-            _report(title, impls, repeats, budget, check=True)
-    else:
-        print("\nattention: not in this numkv")
+
+def measure_and_print_limits():
+    from numkv._bench_limits import measure_limits
+
+    overwrite = "\r" if sys.stdout.isatty() else ""  # a terminal shows "measuring" until the figures come
+    if overwrite:
+        print("  machine limits: measuring ...", end="", flush=True)
+    limits = measure_limits()
+    print(f"{overwrite}  machine limits: {limits.describe()}", flush=True)
+    return limits
+
+
+def _announce_compile():
+    """HOOK (lead): print a first-run "compiling numkv's kernels..." notice here;
+    called once, just before the first numkv call of the run.  Does nothing yet."""
+
+
+def run(args):
+    from numkv import _bench_cases
+
+    if args.plot:
+        if args.only or args.list:
+            raise SystemExit("--plot runs its own sweep: --only and --list don't apply to it")
+        from numkv import _cli_plot
+
+        return _cli_plot.run(args)
+    settings = Settings.from_args(args)
+    every_case = _bench_cases.default_cases(args.threads)
+    cases = _bench_cases.select(every_case, args.only)
+    if args.list:
+        print(case_list(cases))
+        return 0
+    if not cases:
+        raise SystemExit(f"no case matches --only {args.only!r}; the cases are:\n{case_list(every_case)}")
+    with _set_threads(args.threads):
+        print_header(args.threads)
+        limits = measure_and_print_limits()
+        print(f"  median time per call, samples taken in turn (at least {settings.min_samples} per attention "
+              f"implementation); ratio = time / numkv's; % = of the GEMM rate (prefill) or read "
+              f"bandwidth (decode)")
+        _announce_compile()
+        results = []
+        for number, case in enumerate(cases, 1):
+            print(f"\n[{number}/{len(cases)}] {case.id}: {case.title}", flush=True)
+            results.append(time_case(case, settings))
+            print_case(results[-1], limits)
+        print_summary(results, limits)
     return 0
+
+
+def case_list(cases):
+    return "\n".join(f"{case.id:<44} {case.title}" for case in cases)

@@ -21,16 +21,19 @@ CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
 FASTMATH = frozenset({"reassoc", "contract"})
 
 
-def jit(parallel=False, reassociate=False, inline=False):
+def jit(parallel=False, reassociate=False, contract=False, inline=False):
     """A lazy ``numba.njit`` (no signatures: nothing compiles at import);
-    ``reassociate`` enables exactly the ``FASTMATH`` flags; ``inline`` inlines
-    a small helper into its callers (no call, no reference counting of its
-    array arguments)."""
+    ``reassociate`` enables exactly the ``FASTMATH`` flags, ``contract`` only
+    the fusing of a multiply and an add into one FMA (no reordering);
+    ``inline`` inlines a small helper into its callers (no call, no reference
+    counting of its array arguments)."""
     import numba
 
     options = dict(nogil=True, parallel=parallel, error_model="numpy")
     if reassociate:
         options["fastmath"] = set(FASTMATH)
+    elif contract:
+        options["fastmath"] = {"contract"}
     if inline:
         options["inline"] = "always"
 
@@ -49,27 +52,23 @@ REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
 
 
 def threads():
-    """numba's thread count for the calling Python thread."""
-    import numba
+    """The number of threads numkv's kernels use."""
+    from . import _thread_limits
 
-    return numba.get_num_threads()
+    return _thread_limits.current()
 
 
 def set_threads(n):
-    """Set numba's thread count for the calling Python thread (the library
-    itself never does; the command line does, for ``--threads``)."""
-    import numba
+    """Set the number of threads numkv's kernels use (the library itself never
+    does; the command line does, for ``--threads``)."""
+    from . import _thread_limits
 
-    numba.set_num_threads(n)
+    _thread_limits.set_current(n)
 
 
 def runtime_info():
-    """``(numba version, threads, threading layer)``; the layer is known once
-    a parallel kernel has run."""
+    """``(numba version, threads, threading)``: numkv runs its kernels on its
+    own thread pool, never numba's threading layer."""
     import numba
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:
-        layer = "not started"
-    return numba.__version__, numba.get_num_threads(), layer
+    return numba.__version__, threads(), "numkv pool (numba nogil kernels)"

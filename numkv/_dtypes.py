@@ -143,17 +143,24 @@ def decode_table(dtype):
 ATTENTION_DTYPES = frozenset(
     [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16, *FLOAT8_TYPES]
 )
-_NO_TABLE = np.zeros(1, np.float32)
 
 
-def kernel_operand(arr):
-    """``(flat, base, strides, table)`` for the attention kernel: float32 and
-    float64 as themselves, narrower floats as raw bits plus their decode table."""
-    if arr.dtype in (np.float32, np.float64):
-        view_dtype, table = arr.dtype, _NO_TABLE
-    else:
-        view_dtype, table = _UNSIGNED[arr.itemsize], decode_table(arr.dtype)
+def byte_operand(arr):
+    """``(bytes, base, strides)``: the attention kernel's view of an input, its
+    memory as flat bytes, with the base offset and strides in elements of
+    ``arr``'s dtype (so one compiled kernel reads every dtype)."""
     if not arr.flags.aligned:  # rare (a view into packed bytes): costs one O(input) copy
         arr = np.ascontiguousarray(arr)
-    flat, base, strides = flat_view(arr, view_dtype)
-    return flat, base, strides, table
+    flat, base, strides = flat_view(arr, _UNSIGNED[arr.itemsize])
+    return flat.view(np.uint8), base, strides
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_dtype_codes(names):
+    """``{dtype: code}`` for the kernel's tuple of dtype ``names`` (code = index)."""
+    return {np.dtype(getattr(ml_dtypes, name, name)): code for code, name in enumerate(names)}
+
+
+def e8m0_table():
+    """float8_e8m0fnu's 256 values (powers of two and NaN: no bit trick pays)."""
+    return decode_table(np.dtype(ml_dtypes.float8_e8m0fnu))

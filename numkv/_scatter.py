@@ -101,7 +101,7 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     if not (unit and out_flags.aligned and update_flags.aligned and (in_place or src.flags.aligned)):
         unit = unit_size((out, update, src))
     key = (axis, unit, in_place, dtype, past_cache.shape, update.shape, out.strides, update.strides, src.strides)
-    ax, max_seq, seq_len, plan, n_bytes = _layouts.get(key) or _new_layout(key)
+    ax, max_seq, seq_len, plan, n_bytes, n_items = _layouts.get(key) or _new_layout(key)
 
     # A private int64 copy (checked here, then read by a kernel that runs
     # without the GIL): a plain copy for the common case, else a conversion.
@@ -122,14 +122,12 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     kernels = _kernels or _scatter_kernels()
     args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
             plan, starts, circular)
-    if n_bytes >= PARALLEL_MIN_BYTES:
-        _threads.launch(kernels.scatter_parallel, kernels.scatter_serial, args)
-    else:  # small copies: the serial kernel (cheaper than any parallel launch)
-        kernels.scatter_serial(*args)
+    # Small copies stay on the calling thread (cheaper than handing out shares).
+    _threads.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
     return out
 
 
-_layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written); a few per cache in use
+_layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written, work items); a few per cache in use
 
 
 def _new_layout(key):
@@ -137,12 +135,12 @@ def _new_layout(key):
     axis, unit, in_place, dtype, shape, update_shape, *strides = key
     ax = _check_layout(shape, update_shape, dtype, dtype, axis)
     max_seq, seq_len = shape[ax], update_shape[ax]
-    plan, n_bytes = None, 0
+    plan, n_bytes, n_items = None, 0, 0
     if dtype.kind != "O" and 0 not in shape:  # else NumPy's slices (or nothing) do it
-        plan, n_bytes = _make_plan(ax, unit, dtype.itemsize, in_place, shape, update_shape, strides)
+        plan, n_bytes, n_items = _make_plan(ax, unit, dtype.itemsize, in_place, shape, update_shape, strides)
     if len(_layouts) >= 1024:
         _layouts.clear()
-    layout = _layouts[key] = (ax, max_seq, seq_len, plan, n_bytes)
+    layout = _layouts[key] = (ax, max_seq, seq_len, plan, n_bytes, n_items)
     return layout
 
 
@@ -203,7 +201,7 @@ def _index_error(b, w, seq_len, max_seq):
 
 def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, strides):
     """The kernel's int64 plan (see ``_kernels/scatter.py``) for these layouts,
-    and the number of bytes the call will write."""
+    the number of bytes the call will write, and its number of work items."""
     shapes = (shape, update_shape, shape)
     rows, cols, seq = [], [], []
     for shp, st in zip(shapes, strides):
@@ -223,7 +221,7 @@ def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, strides):
     # (Left writeable: numba types a read-only argument on a slow path, +2 us a call.)
     plan = np.concatenate([np.array(header, np.int64), *rows, batch_of, *cols])
     n_pos = seq_len if in_place else max_seq
-    return plan, n_rows * n_pos * n_cols * unit
+    return plan, n_rows * n_pos * n_cols * unit, n_rows * -(-n_pos // chunk)
 
 
 def _offsets(shape, strides):

@@ -46,7 +46,7 @@ def test_layer_zero_length_input():
 
 
 def test_read_only_inputs_reuse_the_compiled_kernel():
-    from numkv._kernels.attention import attention_parallel as attention_kernel
+    from numkv._kernels.attention import attention_items as attention_kernel
 
     q = np.random.default_rng(0).standard_normal((1, 2, 3, 4), dtype=np.float32)
     numkv.attention(q, q, q)
@@ -74,40 +74,3 @@ def test_onnx_is_causal_must_be_0_or_1():
     attention.onnx_node = Node()
     with pytest.raises(ValueError, match="is_causal"):
         attention._run(q, q, q, is_causal=2)
-
-
-def test_scatter_kernels_loaded_from_the_disk_cache_keep_their_threading(tmp_path):
-    """numba's disk cache keys a kernel by its Python function and signature,
-    not by its flags: serial and parallel builds of one function loaded each
-    other's code (a parallel call ran serially, and 1-token appends paid for
-    thread launches).  Each process here compiles or loads one kernel only,
-    from a cache the other kernel was written to first."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = """
-import sys, numba, numpy as np, numkv
-from numkv import _scatter
-past, update = np.zeros((2, 3, 64, 4), np.float32), np.ones((2, 3, 5, 4), np.float32)
-for path in sys.argv[1:]:
-    _scatter.PARALLEL_MIN_BYTES = 0 if path == "parallel" else 1 << 62
-    numkv.tensor_scatter(past, update, [1, 2])
-try:
-    numba.threading_layer()
-    print("parallel code ran")
-except ValueError:
-    print("serial code only")
-"""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMKV_CACHE="1", NUMKV_REFERENCE="0")
-    root = pathlib.Path(__file__).resolve().parents[1]  # this checkout's numkv
-
-    def run(*paths):
-        done = subprocess.run([sys.executable, "-c", script, *paths], env=env, cwd=root,
-                              capture_output=True, text=True, check=True)
-        return done.stdout.strip()
-
-    assert run("serial") == "serial code only"
-    assert run("parallel") == "parallel code ran"  # the serial build is in the cache first
-    assert run("serial") == "serial code only"  # and now the parallel one too

@@ -15,7 +15,6 @@
 import re
 
 import ml_dtypes
-import numba
 import numpy as np
 import pytest
 from hypothesis import given
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 import numkv
 import oracle
 from conftest import SCATTER_DTYPES, random_bits, same_bits
-from numkv import _config, _scatter
+from numkv import _config, _scatter, _thread_limits, _threads
 from numkv._kernels import scatter as scatter_kernels
 
 HUGE = 1 << 62  # PARALLEL_MIN_BYTES that no input reaches: always the serial kernel
@@ -296,18 +295,19 @@ def test_update_aliasing_the_cache(rng, monkeypatch):
 # --------------------------------------------------------------------------- kernel paths
 
 def spy_kernels(monkeypatch):
-    """Count calls to the serial and parallel kernels (and route calls to them
-    even where NUMKV_REFERENCE=1 is set)."""
+    """Count scatter kernel runs kept on the calling thread ("serial") and
+    spread over numkv's threads ("parallel"), and route calls to the kernel
+    even where NUMKV_REFERENCE=1 is set."""
     monkeypatch.setattr(_config, "REFERENCE", False)
     calls = {"serial": 0, "parallel": 0}
-    for name in calls:
-        kernel = getattr(scatter_kernels, f"scatter_{name}")
+    run = _threads.run
 
-        def spy(*args, _kernel=kernel, _name=name):
-            calls[_name] += 1
-            return _kernel(*args)
+    def spy(kernel, n_items, args, small=False):
+        if kernel is scatter_kernels.scatter_items:
+            calls["serial" if small else "parallel"] += 1
+        return run(kernel, n_items, args, small)
 
-        monkeypatch.setattr(scatter_kernels, f"scatter_{name}", spy)
+    monkeypatch.setattr(_threads, "run", spy)
     return calls
 
 
@@ -342,17 +342,11 @@ def test_parallel_equals_serial_any_thread_count(dtype, rng, monkeypatch):
     results = []
     for threshold in (0, HUGE):
         monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", threshold)
-        for threads in sorted({1, 2, numba.config.NUMBA_NUM_THREADS}):
-            if threads > numba.config.NUMBA_NUM_THREADS:
-                continue
-            saved = numba.get_num_threads()
-            numba.set_num_threads(threads)
-            try:
-                results.append(numkv.tensor_scatter(past, update, w, mode="circular"))
-                cache = past.copy()
-                results.append(numkv.tensor_scatter(cache, update, w, mode="circular", out=cache))
-            finally:
-                numba.set_num_threads(saved)
+        for threads in (1, 2, 3, 7):
+            monkeypatch.setattr(_thread_limits, "current", lambda n=threads: n)
+            results.append(numkv.tensor_scatter(past, update, w, mode="circular"))
+            cache = past.copy()
+            results.append(numkv.tensor_scatter(cache, update, w, mode="circular", out=cache))
     assert calls["serial"] and calls["parallel"]
     for got in results:
         assert same_bits(got, expected)
@@ -636,14 +630,14 @@ def test_the_kernel_reads_a_private_copy_of_write_indices(rng, monkeypatch):
     """The kernels run without the GIL: what they read must be the checked copy,
     never the caller's array (which another thread could change)."""
     seen = []
-    kernel = scatter_kernels.scatter_serial
+    kernel = scatter_kernels.scatter_items
 
     def spy(*args):
         seen.append(args[4])
         return kernel(*args)
 
     monkeypatch.setattr(_config, "REFERENCE", False)
-    monkeypatch.setattr(scatter_kernels, "scatter_serial", spy)
+    monkeypatch.setattr(scatter_kernels, "scatter_items", spy)
     past = random_values(rng, (2, 3, 10, 2), np.float32)
     w = np.array([1, 2], np.int64)
     numkv.tensor_scatter(past, random_values(rng, (2, 3, 1, 2), np.float32), w, out=past)
@@ -756,9 +750,9 @@ def test_write_indices_of_any_layout_reuse_the_compiled_kernel(rng, monkeypatch)
     read_only.flags.writeable = False
     cache = past.copy()
     numkv.tensor_scatter(cache, update, np.array([1, 2]), out=cache)
-    signatures = len(scatter_kernels.scatter_serial.signatures)
+    signatures = len(scatter_kernels.scatter_items.signatures)
     for w in (read_only, np.arange(4)[::2], np.broadcast_to(np.int64(7), (2,)), np.array([5, 6], ">i8")):
         cache = past.copy()
         assert numkv.tensor_scatter(cache, update, w, out=cache) is cache
         assert same_bits(cache, oracle.tensor_scatter(past, update, np.array(w)))
-    assert len(scatter_kernels.scatter_serial.signatures) == signatures
+    assert len(scatter_kernels.scatter_items.signatures) == signatures

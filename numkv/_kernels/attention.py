@@ -4,61 +4,447 @@ Named dims: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G =
 Hq // Hkv`` query heads per kv head, ``Sq`` queries, ``P`` past keys, ``T = P +
 Skv`` keys in all, ``D`` Q/K head size, ``Dv`` V head size.
 
-Every tensor arrives as a flat 1-D buffer plus four element strides in the
-logical order ``(b, h, s, d)`` and a base offset, so 3-D inputs, transposes and
-cache slices are read in place.  Q/K/V buffers are float32, float64, or raw
-``uint16`` / ``uint8`` bits widened through a float32 decode table (float16,
-bfloat16, float8): one K/V tile at a time, never the whole cache.  Keys ``j <
-P`` come from the past buffers, the rest from the new K/V: no concatenation.
+Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
+row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
+strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
+transposes and cache slices are read in place and one compiled kernel serves
+every input dtype.  Elements are widened into float tiles of the accumulation
+dtype (float32, or float64 for float64 Q / ``softmax_precision`` DOUBLE), one
+tile at a time, never the whole cache: bfloat16 with a shift, float16 and the
+float8s with integer bit arithmetic that vectorises (``_decode_bits``).  A K/V
+tile already in the accumulation dtype with contiguous rows is used in place.
+Keys ``j < P`` come from the past buffers, the rest from the new K/V (no
+concatenation).  ``mask`` (additive) and ``y`` are flat accumulation-dtype
+buffers with rows of ``desc`` too.
 
-``y`` (and the additive ``mask``) have the accumulation dtype: float32, or
-float64 for float64 Q or ``softmax_precision`` DOUBLE; scores, softmax and
-accumulators use it too.
+Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): for a work
+item, the ``rows = G * nq`` query rows of one kv head and ``nq`` queries
+(head-major: row ``g * nq + i``) are scored against a tile of ``n`` keys with
+one matrix product ``S = Q K^T`` and update their accumulators with another,
+``acc = alpha * acc + P V``.  Many rows (prefill) take BLAS ``gemm`` through
+numba's ``np.dot`` (SciPy's BLAS); each product is kept at or below OpenBLAS'
+single-thread threshold (M*N*K <= 2**18), so BLAS never starts threads of its
+own inside numba's.  Few rows (decode) take a loop that scores four keys per
+pass (the cache is read once, the products are memory-bound anyway).
 
-Which keys a query ``i`` of batch ``b`` sees is one interval per row,
-``lo <= j <= hi``, folded by the wrapper from ``is_causal``, the offset
-(``P`` or ``nonpad_kv_seqlen[b] - Sq``), the window sizes, the valid length
-and the mask's length; the additive mask is applied inside it.  Tiles outside
-every row's interval are never loaded.
+Online softmax per row, once per tile: ``m' = max(m, max_j s_j)``, ``alpha =
+e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32 ``exp`` that vectorises,
+``_exp``), ``l' = alpha l + sum p_j``, ``acc' = alpha acc + sum p_j v_j``; at
+the end ``y = acc / l``, or zeros when ``l == 0`` (the row attended nothing).
+Which keys query ``i`` of batch row ``b`` sees is one interval ``[lo, hi]``
+folded by the wrapper from ``is_causal``, the offset, windows and valid
+lengths; the additive mask applies inside it.  Only tiles that cross an
+interval's end, or meet the mask, take the masked path; tiles outside every
+row's interval are never loaded.  Masking *sets* ``-inf`` (it never adds to
+the score), and ``P V`` skips masked keys whenever their V holds a non-finite
+value: an excluded key never influences Y, whatever its K or V hold.  A NaN or
+``+inf`` among the attended scores makes the row NaN (as the reference's
+softmax does), wherever the key sits.
 
-Parallel strategy: a flat ``prange`` over work items ``(b, kv_head, q_tile,
-kv_chunk)``; an item owns all ``G`` query heads that share its kv head, so each
-K/V tile is loaded once for them (GQA is an index map).  Long key ranges with
-few query tiles (decode) are split into chunks whose length depends on the
-shapes only; the partial softmaxes are then merged in chunk order, so results
-do not depend on the thread count.
+Parallel strategy: a flat ``prange`` over work items ``(b, kv_head, unit,
+chunk)``.  A unit is a pair of query tiles ``(t, n_tiles - 1 - t)``: causal
+tiles cost in proportion to their index, so every pair costs the same and
+numba's equal contiguous shares of items balance.  Few query tiles (decode)
+split the key range into chunks instead, of a length set by the shapes only;
+a second launch (``phase`` 1) merges the partial softmaxes in chunk order, so
+results do not depend on the thread count.
 
 Preconditions (the wrapper checks them): every index the strides produce is in
-bounds, ``0 <= valid[b] <= T``, tile sizes >= 1, ``Hq % Hkv == 0``.
+bounds, ``0 <= valid[b] <= T``, window sizes <= T, tiles >= 1, ``Hq % Hkv ==
+0``, the partial buffers hold ``n_items * n_chunks`` entries when split.
 """
 
 import math
 
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
 
 from .._config import jit
 
-# ints[] layout (see _attention.py, which fills it)
-(B_, HQ, HKV, SQ, T_, PAST, D_, DV, CAUSAL, LEFT, RIGHT, HAS_MASK, BQ, BK, CHUNK,
- N_QT, N_CH, Q0, KP0, KN0, VP0, VN0, M0, Y0) = range(24)
-# strides[] layout: four (b, h, s, d) strides per tensor, in this order
-QS, KPS, KNS, VPS, VNS, MS, YS = (4 * i for i in range(7))
+# -- the layout: ints[] slots, desc[] rows and columns, dtype codes ------------
+# The wrapper fills these by name (``_attention.run``); they are defined once, here.
+INT_FIELDS = (
+    "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
+    "causal", "left", "right", "has_mask",
+    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows",
+)
+(BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
+ CAUSAL, LEFT, RIGHT, HAS_MASK,
+ BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS) = range(len(INT_FIELDS))
+
+TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
+T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
+TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
+BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
+
+FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
+Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
+
+DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
+               "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+(F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
+
+# -- widening: bits -> float ----------------------------------------------------
 
 
-def widen(buf, i, table):
-    """``buf[i]`` as a number: decoded through ``table`` when ``buf`` holds bits."""
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer ``bits`` (a
+    bit cast, no conversion; numba widens integer arithmetic to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, context.get_value_type(types.float32))
+
+    return types.float32(bits), codegen
 
 
-@overload(widen)
-def _widen(buf, i, table):
-    if isinstance(buf.dtype, types.Integer):
-        return lambda buf, i, table: table[buf[i]]
-    return lambda buf, i, table: buf[i]
+@intrinsic
+def _maximum(typingctx, a, b):
+    """``llvm.maximum``: the larger of two floats, NaN if either is NaN.  A
+    running maximum of it vectorises (a compare-and-select one stays scalar),
+    and a NaN among the values shows in the result."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        t = args[0].type
+        return builder.call(builder.module.declare_intrinsic("llvm.maximum", [t], ir.FunctionType(t, [t, t])),
+                            args)
+
+    return a(a, b), codegen
+
+
+# (shift, scale, inf/NaN exponent field or 0, NaN magnitude or -1, NaN pattern or -1)
+# of the narrow float formats: a value's magnitude bits ``em`` shifted to
+# float32's exponent/mantissa position, times 2**(127 - bias), is the value --
+# subnormals included (a float32 subnormal times a power of two is exact).
+_FORMATS = {
+    F16: (13, 2.0 ** 112, 0x7C00, -1, -1),
+    E4M3FN: (20, 2.0 ** 120, 0, 0x7F, -1),
+    E4M3FNUZ: (20, 2.0 ** 119, 0, -1, 0x80),
+    E5M2: (21, 2.0 ** 112, 0x7C, -1, -1),
+    E5M2FNUZ: (21, 2.0 ** 111, 0, -1, 0x80),
+}
+FORMAT_TABLE = np.zeros((len(DTYPE_CODES), 5), np.float64)
+for _code, _row in _FORMATS.items():
+    FORMAT_TABLE[_code] = _row
+
+
+@jit(inline=True)
+def _decode_bits(x, sign_bit, shift, scale, infnan, nan_em, nan_x):
+    """float32 value of the narrow-float bit pattern ``x`` (see ``_FORMATS``)."""
+    u = np.uint32(x)
+    em = u & np.uint32(sign_bit - 1)
+    bits = np.uint32(em << np.uint32(shift))
+    v = _float32_from_bits(bits) * scale
+    if infnan != 0 and em >= infnan:  # all-ones exponent: inf and NaN keep their payload
+        v = _float32_from_bits(bits | np.uint32(0x7F800000))
+    if em == nan_em or u == nan_x:
+        v = np.float32(np.nan)
+    return -v if u & np.uint32(sign_bit) else v
 
 
 @jit()
+def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
+    ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
+    dtype.  One loop per dtype, each simple enough for LLVM to vectorise;
+    unsigned element indices spare numba's negative-index wraparound (which
+    kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
+    step = np.uint64(stride)
+    if code == F32:
+        src32 = buf.view(np.float32)
+        for t in range(n):
+            at = np.uint64(base + t * seq_stride)
+            for c in range(width):
+                dst[r0 + t, c] = src32[at + np.uint64(c) * step]
+    elif code == F64:
+        src64 = buf.view(np.float64)
+        for t in range(n):
+            at = np.uint64(base + t * seq_stride)
+            for c in range(width):
+                dst[r0 + t, c] = src64[at + np.uint64(c) * step]
+    elif code == BF16:  # bfloat16 is float32's upper half
+        src16 = buf.view(np.uint16)
+        for t in range(n):
+            at = np.uint64(base + t * seq_stride)
+            for c in range(width):
+                dst[r0 + t, c] = _float32_from_bits(np.uint32(src16[at + np.uint64(c) * step]) << 16)
+    elif code == F16:
+        src16 = buf.view(np.uint16)
+        shift, scale = np.uint32(formats[code, 0]), np.float32(formats[code, 1])
+        infnan = np.uint32(formats[code, 2])
+        for t in range(n):
+            at = np.uint64(base + t * seq_stride)
+            for c in range(width):
+                dst[r0 + t, c] = _decode_bits(src16[at + np.uint64(c) * step], 0x8000, shift, scale,
+                                              infnan, np.uint32(0xFFFFFFFF), np.uint32(0xFFFFFFFF))
+    elif code == E8M0:  # a power of two per byte, no sign: a 256-entry table (in L1)
+        for t in range(n):
+            at = np.uint64(base + t * seq_stride)
+            for c in range(width):
+                dst[r0 + t, c] = table[buf[at + np.uint64(c) * step]]
+    else:  # the other float8s: one parametrised loop
+        shift, scale = np.uint32(formats[code, 0]), np.float32(formats[code, 1])
+        infnan = np.uint32(formats[code, 2])
+        nan_em = np.uint32(formats[code, 3]) if formats[code, 3] >= 0 else np.uint32(0xFFFFFFFF)
+        nan_x = np.uint32(formats[code, 4]) if formats[code, 4] >= 0 else np.uint32(0xFFFFFFFF)
+        for t in range(n):
+            at = np.uint64(base + t * seq_stride)
+            for c in range(width):
+                dst[r0 + t, c] = _decode_bits(buf[at + np.uint64(c) * step], 0x80, shift, scale,
+                                              infnan, nan_em, nan_x)
+
+
+@jit(inline=True)
+def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code):
+    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as an
+    ``(n, width)`` C-contiguous array: the buffer itself where it already
+    holds contiguous rows of the accumulation dtype (no copy), else ``scratch``
+    filled by widening."""
+    base = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
+    code = desc[t, DTYPE]
+    if code == acc_code and desc[t, STRIDE_D] == 1 and (desc[t, STRIDE_S] == width or n == 1):
+        return _as_acc(buf, scratch)[base:base + n * width].reshape((n, width))
+    tile = scratch[:n * width].reshape((n, width))
+    first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
+    _widen_rows(tile, first_row, n, width, buf, code, base, desc[t, STRIDE_S], desc[t, STRIDE_D],
+                table, formats)
+    return tile
+
+
+def _code_of(arr):
+    """The dtype code of a float32 or float64 array (a compile-time constant)."""
+
+
+@overload(_code_of)
+def _code_of_impl(arr):
+    code = F64 if arr.dtype == types.float64 else F32
+    return lambda arr: code
+
+
+def _as_acc(buf, like):
+    """``buf``'s bytes viewed as ``like``'s dtype."""
+
+
+@overload(_as_acc)
+def _as_acc_impl(buf, like):
+    if like.dtype == types.float64:
+        return lambda buf, like: buf.view(np.float64)
+    return lambda buf, like: buf.view(np.float32)
+
+
+# -- exp ----------------------------------------------------------------------------
+
+
+def _exp(x):
+    """``e**x`` for ``x <= 0`` (``-inf`` and NaN give 0)."""
+
+
+@overload(_exp)
+def _exp_impl(x):
+    if x == types.float64:
+        def exp64(x):
+            return math.exp(x) if x >= -745.2 else 0.0  # NaN -> 0 as well
+        return exp64
+
+    def exp32(x):
+        # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
+        # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
+        # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
+        # within 0.6 ulp of e**x.
+        inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
+        xc = x if inside else np.float32(-87.0)
+        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = xc - n * np.float32(0.693359375)
+        r = r + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
+        return p * pow2n if inside else np.float32(0.0)
+    return exp32
+
+
+# -- the two matrix products ----------------------------------------------------------
+
+
+@jit(reassociate=True)
+def _scores(qt, kt, s, rows, n, use_blas):
+    """``s[:rows, :n] = qt kt^T``: BLAS for many rows, else four keys per pass
+    over a query row (one load of q feeds four vectorised dot products)."""
+    if use_blas:
+        np.dot(qt, kt.T, s)
+        return
+    d_k = qt.shape[1]
+    for r in range(rows):
+        j = 0
+        while j + 4 <= n:
+            q0 = qt[r, 0]
+            a0, a1, a2, a3 = q0 * kt[j, 0], q0 * kt[j + 1, 0], q0 * kt[j + 2, 0], q0 * kt[j + 3, 0]
+            for d in range(1, d_k):
+                qd = qt[r, d]
+                a0 += qd * kt[j, d]
+                a1 += qd * kt[j + 1, d]
+                a2 += qd * kt[j + 2, d]
+                a3 += qd * kt[j + 3, d]
+            s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3] = a0, a1, a2, a3
+            j += 4
+        while j < n:
+            a = qt[r, 0] * kt[j, 0]
+            for d in range(1, d_k):
+                a += qt[r, d] * kt[j, d]
+            s[r, j] = a
+            j += 1
+
+
+@jit(reassociate=True)
+def _accumulate(p, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked):
+    """``acc = alpha acc + p vt`` per row.  The loop kernel leaves keys of
+    weight 0 out (a masked key's V may hold inf or NaN, and 0 * inf is NaN);
+    so does BLAS' product, which is skipped for the loop, with ``skip_masked``."""
+    d_v = acc.shape[1]
+    for r in range(rows):
+        a = alpha[r]
+        if a != 1.0:
+            for d in range(d_v):
+                acc[r, d] *= a
+    if use_blas and not skip_masked:
+        np.dot(p, vt, tmp)
+        for r in range(rows):
+            for d in range(d_v):
+                acc[r, d] += tmp[r, d]
+        return
+    for r in range(rows):
+        # Four keys per pass over the row (one load/store of acc per four FMAs).
+        j = 0
+        while j < n:
+            if (j + 4 <= n and p[r, j] != 0 and p[r, j + 1] != 0 and p[r, j + 2] != 0
+                    and p[r, j + 3] != 0):
+                p0, p1, p2, p3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
+                for d in range(d_v):
+                    acc[r, d] += p0 * vt[j, d] + p1 * vt[j + 1, d] + p2 * vt[j + 2, d] + p3 * vt[j + 3, d]
+                j += 4
+            else:
+                pj = p[r, j]
+                if pj != 0:
+                    for d in range(d_v):
+                        acc[r, d] += pj * vt[j, d]
+                j += 1
+
+
+@jit()
+def _all_finite(tile):
+    """Whether every element of ``tile`` is finite (x - x is 0 only then)."""
+    total = tile.dtype.type(0.0)
+    for t in range(tile.shape[0]):
+        for c in range(tile.shape[1]):
+            total += tile[t, c] - tile[t, c]
+    return total == 0
+
+
+# -- the softmax of one tile ---------------------------------------------------------
+
+
+@jit()
+def _row_sum(s, r, n):
+    """``sum(s[r, :n])`` in eight lanes (``j % 8``) added in a fixed order: the
+    bits do not depend on ``n`` when the extra entries are zeros (a masked key
+    at the end of a tile changes nothing), and the lanes still vectorise."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = s.dtype.type(0.0)
+    j = 0
+    while j + 8 <= n:
+        a0 += s[r, j]
+        a1 += s[r, j + 1]
+        a2 += s[r, j + 2]
+        a3 += s[r, j + 3]
+        a4 += s[r, j + 4]
+        a5 += s[r, j + 5]
+        a6 += s[r, j + 6]
+        a7 += s[r, j + 7]
+        j += 8
+    tail = n - j
+    if tail > 0:
+        a0 += s[r, j]
+    if tail > 1:
+        a1 += s[r, j + 1]
+    if tail > 2:
+        a2 += s[r, j + 2]
+    if tail > 3:
+        a3 += s[r, j + 3]
+    if tail > 4:
+        a4 += s[r, j + 4]
+    if tail > 5:
+        a5 += s[r, j + 5]
+    if tail > 6:
+        a6 += s[r, j + 6]
+    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
+@jit(contract=True)
+def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
+                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad):
+    """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
+    place) and fold them into each row's running max ``m`` and sum ``l``;
+    ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
+
+    ``edge``: some row's interval ends inside the tile, or a mask applies --
+    the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
+    """
+    inf = np.inf
+    flat = s.reshape(rows * n)
+    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
+        for t in range(rows * n):
+            flat[t] *= score_scale
+    if softcap > 0.0:  # ONNX: the softcap comes before the mask
+        for t in range(rows * n):
+            flat[t] = softcap * math.tanh(flat[t] / softcap)
+    for r in range(rows):
+        i = r % nq
+        if edge:
+            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
+            for j in range(n):
+                if j < first or j >= stop:
+                    s[r, j] = -inf
+            if mask_base >= 0:
+                at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
+                for j in range(first, stop):
+                    bias = mask[at + j * mask_stride_j]
+                    s[r, j] = -inf if bias == -inf else s[r, j] + bias
+        m_old = m[r]
+        m_new = m_old
+        for j in range(n):
+            m_new = _maximum(m_new, s[r, j])
+        # NaN or +inf among the attended scores (masked ones are -inf) makes
+        # the row NaN; nothing attended yet: no weights, nothing to rescale.
+        if not m_new < inf or m_new == -inf:
+            bad[r] |= m_new != -inf
+            for j in range(n):
+                s[r, j] = 0.0
+            alpha[r] = 1.0
+            continue
+        for j in range(n):
+            s[r, j] = _exp(s[r, j] - m_new)
+        total = _row_sum(s, r, n)
+        a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
+        alpha[r] = a
+        l[r] = l[r] * a + total
+        m[r] = m_new
+
+
+# -- work items --------------------------------------------------------------------------
+
+
+@jit(inline=True)
 def _row_bounds(i, off, valid, causal, left, right):
     """Inclusive key interval ``[lo, hi]`` of query ``i`` (``hi < lo``: none)."""
     pos = off + i  # the query's absolute position
@@ -74,272 +460,163 @@ def _row_bounds(i, off, valid, causal, left, right):
 
 
 @jit()
-def _load_kv_tile(kt, vt, j0, n, b, hk, kp, kn, k_tab, vp, vn, v_tab, ints, st):
-    """Widen keys ``j0 .. j0+n`` of kv head ``hk`` into the rows of ``kt`` and
-    ``vt`` (contiguous rows: the dot products below vectorise).  Keys before
-    ``past`` come from the past buffers, the rest from the new K/V."""
-    past = ints[PAST]
-    n_past = min(max(past - j0, 0), n)
-    if n_past > 0:
-        _load_rows(kt, 0, n_past, kp, ints[KP0] + b * st[KPS] + hk * st[KPS + 1] + j0 * st[KPS + 2],
-                   st[KPS + 2], st[KPS + 3], k_tab)
-        _load_rows(vt, 0, n_past, vp, ints[VP0] + b * st[VPS] + hk * st[VPS + 1] + j0 * st[VPS + 2],
-                   st[VPS + 2], st[VPS + 3], v_tab)
-    if n_past < n:
-        s0 = j0 + n_past - past
-        _load_rows(kt, n_past, n, kn, ints[KN0] + b * st[KNS] + hk * st[KNS + 1] + s0 * st[KNS + 2],
-                   st[KNS + 2], st[KNS + 3], k_tab)
-        _load_rows(vt, n_past, n, vn, ints[VN0] + b * st[VNS] + hk * st[VNS + 1] + s0 * st[VNS + 2],
-                   st[VNS + 2], st[VNS + 3], v_tab)
+def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
+                    table, formats, part_m, part_l, part_acc):
+    """Work items ``first .. stop``.  An item ``(b, kv_head, unit, chunk)``
+    covers all ``G`` heads of the kv head for a pair of query tiles over every
+    key, or for one query tile over one chunk of keys (its partial softmax then
+    goes to ``part_*``, for ``attention_merge``)."""
+    n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
+    rows, bq, bk = ints[Q_HEADS] // ints[KV_HEADS] * ints[BLOCK_Q], ints[BLOCK_Q], ints[BLOCK_K]
+    d_k, d_v = ints[HEAD_SIZE], ints[V_HEAD_SIZE]
+    dt = y.dtype
+    # Scratch for one item at a time, allocated once per share of items.
+    qbuf, kbuf, vbuf = np.empty(rows * d_k, dt), np.empty(bk * d_k, dt), np.empty(bk * d_v, dt)
+    sbuf, tmpbuf = np.empty(rows * bk, dt), np.empty(rows * d_v, dt)
+    lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
+    m, l, alpha = np.empty(rows, dt), np.empty(rows, dt), np.empty(rows, dt)
+    acc_all, bad = np.empty((rows, d_v), dt), np.empty(rows, np.bool_)
+    for work in range(first, stop):
+        item, c = work // n_ch, work % n_ch
+        b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
+        hk, unit = rest // n_units, rest % n_units
+        _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
+              table, formats, part_m, part_l, part_acc, qbuf, kbuf, vbuf, sbuf, tmpbuf, lo, hi, m, l,
+              alpha, acc_all, bad)
 
 
 @jit()
-def _load_rows(tile, first, stop, buf, base, seq_stride, stride, table):
-    """``tile[first + t, d] = buf[base + t * seq_stride + d * stride]``, widened.
+def _item(work, b, hk, unit, c, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
+          table, formats, part_m, part_l, part_acc, qbuf, kbuf, vbuf, sbuf, tmpbuf, lo, hi, m, l,
+          alpha, acc_all, bad):
+    """One work item (see ``attention_items``), with the scratch it is given."""
+    n_ch, n_qt = ints[N_CHUNKS], ints[N_Q_TILES]
+    group = ints[Q_HEADS] // ints[KV_HEADS]
+    bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
+    q_scale, score_scale, softcap = floats[Q_SCALE], floats[SCORE_SCALE], floats[SOFTCAP]
+    has_mask = ints[HAS_MASK] != 0
+    acc_code = _code_of(y)
+    split = n_ch > 1
+    partner = unit if split else n_qt - 1 - unit  # == unit: the middle tile of an odd count
+    k_start = c * ints[CHUNK] if split else 0
+    k_stop = min(k_start + ints[CHUNK], ints[TOTAL]) if split else ints[TOTAL]
+    for qt_index in range(unit, partner + 1, max(partner - unit, 1)):
+        i0 = qt_index * bq
+        nq = min(bq, ints[Q_LEN] - i0)
+        rows = group * nq
+        acc = acc_all[:rows]
+        # Each query's key interval; their union bounds the tiles loaded.
+        t_lo, t_hi = k_stop, k_start - 1
+        for i in range(nq):
+            lo[i], hi[i] = _row_bounds(i0 + i, offset[b], valid[b], ints[CAUSAL] != 0,
+                                       ints[LEFT], ints[RIGHT])
+            t_lo = min(t_lo, max(lo[i], k_start))
+            t_hi = max(t_hi, min(hi[i], k_stop - 1))
+        for r in range(rows):
+            m[r] = -np.inf
+            l[r] = 0.0
+            bad[r] = False
+            for d in range(d_v):
+                acc[r, d] = 0.0
 
-    Offsets are >= 0 by construction; indexing with unsigned integers spares
-    numba's negative-index wraparound, so the unit-stride copy vectorises.
-    Indexing the 2-D tile directly (no row views) keeps NRT reference counting
-    out of the per-key loop (it cost ~100 ns a key).
-    """
-    width = tile.shape[1]
-    for t in range(stop - first):
-        row_base = np.uint64(base + t * seq_stride)
-        if stride == 1:
-            for d in range(width):
-                tile[first + t, d] = widen(buf, row_base + np.uint64(d), table)
+        if t_lo <= t_hi:
+            qt = qbuf[:rows * d_k].reshape((rows, d_k))
+            for g in range(group):
+                base = (desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
+                        + i0 * desc[T_Q, STRIDE_S])
+                _widen_rows(qt, g * nq, nq, d_k, q, desc[T_Q, DTYPE], base, desc[T_Q, STRIDE_S],
+                            desc[T_Q, STRIDE_D], table, formats)
+            for r in range(rows):
+                for d in range(d_k):
+                    qt[r, d] *= q_scale
+            mask_base = -1
+            if has_mask:
+                mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
+                             + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
+            use_blas = rows >= ints[BLAS_ROWS]
+            tmp = tmpbuf[:rows * d_v].reshape((rows, d_v))
+            # Two segments: past keys, then new keys (a tile never straddles them).
+            for seg in range(2):
+                seg_lo, seg_hi = (t_lo, min(t_hi, past - 1)) if seg == 0 else (max(t_lo, past), t_hi)
+                kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
+                for j0 in range(seg_lo, seg_hi + 1, bk):
+                    n = min(bk, seg_hi + 1 - j0)
+                    kt = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, acc_code)
+                    s = sbuf[:rows * n].reshape((rows, n))
+                    _scores(qt, kt, s, rows, n, use_blas)
+                    edge = has_mask
+                    for i in range(nq):
+                        edge |= lo[i] > j0 or hi[i] < j0 + n - 1
+                    _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
+                                  desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
+                                  desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad)
+                    vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
+                    skip_masked = edge and not _all_finite(vt)
+                    _accumulate(s, vt, acc, alpha, tmp, rows, n, use_blas, skip_masked)
+
+        if split:
+            for r in range(rows):
+                part_m[work, r] = np.nan if bad[r] else m[r]
+                part_l[work, r] = l[r]
+                for d in range(d_v):
+                    part_acc[work, r, d] = acc[r, d]
         else:
-            for d in range(width):
-                tile[first + t, d] = widen(buf, np.uint64(base + t * seq_stride + d * stride), table)
+            _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
+
+
+@jit()
+def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
+    """``y = acc / l`` for the tile's rows: zeros where ``l == 0`` (nothing
+    attended), NaN where a NaN or +inf entered an attended score."""
+    group = ints[Q_HEADS] // ints[KV_HEADS]
+    nq = rows // group
+    i0 = qt_index * ints[BLOCK_Q]
+    for r in range(rows):
+        g, i = r // nq, r % nq
+        at = (desc[T_Y, BASE] + b * desc[T_Y, STRIDE_B] + (hk * group + g) * desc[T_Y, STRIDE_H]
+              + (i0 + i) * desc[T_Y, STRIDE_S])
+        inv = 0.0 if l[r] == 0.0 else 1.0 / l[r]
+        for d in range(ints[V_HEAD_SIZE]):
+            y[at + d * desc[T_Y, STRIDE_D]] = np.nan if bad[r] else acc[r, d] * inv
+
+
+@jit()
+def attention_merge(first, stop, y, ints, desc, part_m, part_l, part_acc):
+    """Items ``first .. stop`` of a split call: combine each item's partial
+    softmaxes in chunk order."""
+    for item in range(first, stop):
+        _merge_item(item, y, ints, desc, part_m, part_l, part_acc)
 
 
 @jit(inline=True)
-def _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
-                    ints, st, floats, offset, valid):
-    # Only the work-item loops are parallel: numba's parfor passes then see a
-    # small body, which cut the compile time several-fold.
-    n_items = ints[B_] * ints[HKV] * ints[N_QT]
-    n_ch = ints[N_CH]
-    rows = (ints[HQ] // ints[HKV]) * ints[BQ]
-    # Partial softmaxes of split key ranges, merged below (empty when unsplit).
-    n_part = n_items * n_ch if n_ch > 1 else 0
-    part_m = np.empty((n_part, rows), y.dtype)
-    part_l = np.empty((n_part, rows), y.dtype)
-    part_acc = np.empty((n_part, rows, ints[DV]), y.dtype)
-    for work in prange(n_items * n_ch):
-        # int64: numba's prange index is unsigned, and a uint64 argument would
-        # compile _work_item a second time.
-        _work_item(np.int64(work), q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
-                   ints, st, floats, offset, valid, part_m, part_l, part_acc)
-    if n_ch > 1:
-        # Serial: splitting happens only below TARGET_ITEMS items, so the merge
-        # is tiny, and a second parallel region cost ~2 s of compile time.
-        for item in range(n_items):
-            _merge_item(item, y, ints, st, part_m, part_l, part_acc)
-
-
-@jit()
-def _work_item(work, q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y,
-               ints, st, floats, offset, valid, part_m, part_l, part_acc):
-    """Attention of one ``(b, kv_head, q_tile, kv_chunk)`` item: all ``G``
-    query heads of the kv head, ``BQ`` queries, the chunk's keys."""
-    hq, hkv, sq = ints[HQ], ints[HKV], ints[SQ]
-    d_k, d_v = ints[D_], ints[DV]
-    causal, left, right, has_mask = ints[CAUSAL] != 0, ints[LEFT], ints[RIGHT], ints[HAS_MASK] != 0
-    bq, bk, chunk, n_qt, n_ch = ints[BQ], ints[BK], ints[CHUNK], ints[N_QT], ints[N_CH]
-    scale, softcap = floats[0], floats[1]
-    group = hq // hkv
-    rows = group * bq
-    item, c = work // n_ch, work % n_ch
-    b, rest = item // (hkv * n_qt), item % (hkv * n_qt)
-    hk, qt = rest // n_qt, rest % n_qt
-    i0 = qt * bq
-    nq = min(bq, sq - i0)
-    off, nvalid = offset[b], valid[b]
-    k_start, k_stop = c * chunk, min((c + 1) * chunk, ints[T_])
-
-    # Key interval of every row; the item's union bounds the tiles loaded.
-    lo = np.empty(nq, np.int64)
-    hi = np.empty(nq, np.int64)
-    t_lo, t_hi = k_stop, k_start - 1
-    for ii in range(nq):
-        lo[ii], hi[ii] = _row_bounds(i0 + ii, off, nvalid, causal, left, right)
-        t_lo = min(t_lo, max(lo[ii], k_start))
-        t_hi = max(t_hi, min(hi[ii], k_stop - 1))
-
-    m = np.full(rows, -np.inf, y.dtype)
-    l = np.zeros(rows, y.dtype)
-    acc = np.zeros((rows, d_v), y.dtype)
-    if t_lo <= t_hi:
-        qs = np.empty((rows, d_k), y.dtype)
-        for g in range(group):
-            h = hk * group + g
-            for ii in range(nq):
-                base = ints[Q0] + b * st[QS] + h * st[QS + 1] + (i0 + ii) * st[QS + 2]
-                r = g * bq + ii
-                _load_rows(qs, r, r + 1, q, base, 0, st[QS + 3], q_tab)
-                for d in range(d_k):
-                    qs[r, d] *= scale
-        kt = np.empty((bk, d_k), y.dtype)
-        vt = np.empty((bk, d_v), y.dtype)
-        s = np.empty(bk, y.dtype)
-        for j0 in range(t_lo, t_hi + 1, bk):
-            n = min(bk, t_hi + 1 - j0)
-            _load_kv_tile(kt, vt, j0, n, b, hk, kp, kn, k_tab, vp, vn, v_tab, ints, st)
-            for g in range(group):
-                h = hk * group + g
-                for ii in range(nq):
-                    jl = max(lo[ii], j0) - j0
-                    jh = min(hi[ii], j0 + n - 1) - j0 + 1
-                    if jl >= jh:
-                        continue
-                    r = g * bq + ii
-                    _online_softmax_step(
-                        r, jl, jh, j0, s, qs[r], kt, vt, m, l, acc[r], softcap,
-                        has_mask, mask, ints[M0] + b * st[MS] + h * st[MS + 1]
-                        + (i0 + ii) * st[MS + 2], st[MS + 3])
-
-    if n_ch == 1:
-        for g in range(group):
-            for ii in range(nq):
-                r = g * bq + ii
-                _write_row(y, ints[Y0] + b * st[YS] + (hk * group + g) * st[YS + 1]
-                           + (i0 + ii) * st[YS + 2], st[YS + 3], acc[r], l[r])
-    else:
-        for r in range(rows):
-            part_m[work, r] = m[r]
-            part_l[work, r] = l[r]
+def _merge_item(item, y, ints, desc, part_m, part_l, part_acc):
+    """``m = max m_c``, ``l = sum l_c e^(m_c - m)``, ``acc = sum acc_c
+    e^(m_c - m)``; a chunk that saw a NaN (``m_c`` NaN) makes the row NaN."""
+    n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
+    b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
+    hk, qt_index = rest // n_units, rest % n_units
+    group = ints[Q_HEADS] // ints[KV_HEADS]
+    nq = min(ints[BLOCK_Q], ints[Q_LEN] - qt_index * ints[BLOCK_Q])
+    rows, d_v = group * nq, ints[V_HEAD_SIZE]
+    dt = y.dtype
+    acc, l, bad = np.zeros((rows, d_v), dt), np.zeros(rows, dt), np.zeros(rows, np.bool_)
+    first = item * n_ch
+    for r in range(rows):
+        m_all = -np.inf
+        for c in range(n_ch):
+            mc = part_m[first + c, r]
+            if mc != mc:
+                bad[r] = True
+            elif mc > m_all:
+                m_all = mc
+        if bad[r] or m_all == -np.inf:
+            continue
+        for c in range(n_ch):
+            mc = part_m[first + c, r]
+            if mc == -np.inf:
+                continue
+            w = _exp(mc - m_all)
+            l[r] += part_l[first + c, r] * w
             for d in range(d_v):
-                part_acc[work, r, d] = acc[r, d]
-
-
-@jit()
-def _merge_item(item, y, ints, st, part_m, part_l, part_acc):
-    """Combine the chunks' partial softmaxes of one item, in chunk order:
-    ``m = max m_c``, ``l = sum l_c e^(m_c - m)``, ``acc = sum acc_c e^(m_c - m)``."""
-    hq, hkv, sq, d_v = ints[HQ], ints[HKV], ints[SQ], ints[DV]
-    bq, n_qt, n_ch = ints[BQ], ints[N_QT], ints[N_CH]
-    group = hq // hkv
-    b, rest = item // (hkv * n_qt), item % (hkv * n_qt)
-    hk, qt = rest // n_qt, rest % n_qt
-    i0 = qt * bq
-    nq = min(bq, sq - i0)
-    total = np.empty(d_v, y.dtype)
-    for g in range(group):
-        for ii in range(nq):
-            r = g * bq + ii
-            m_all = -np.inf
-            for c in range(n_ch):
-                m_all = max(m_all, part_m[item * n_ch + c, r])
-            for d in range(d_v):
-                total[d] = 0.0
-            l_all = 0.0
-            if m_all > -np.inf:
-                for c in range(n_ch):
-                    w = part_m[item * n_ch + c, r]
-                    if w == -np.inf:
-                        continue
-                    alpha = math.exp(w - m_all)
-                    l_all += part_l[item * n_ch + c, r] * alpha
-                    pacc = part_acc[item * n_ch + c, r]
-                    for d in range(d_v):
-                        total[d] += pacc[d] * alpha
-            _write_row(y, ints[Y0] + b * st[YS] + (hk * group + g) * st[YS + 1]
-                       + (i0 + ii) * st[YS + 2], st[YS + 3], total, l_all)
-
-
-@jit(reassociate=True)
-def _online_softmax_step(r, jl, jh, j0, s, qrow, kt, vt, m, l, acc_row, softcap,
-                         has_mask, mask, mask_base, mask_stride):
-    """Fold keys ``jl .. jh`` of the loaded tile into row ``r``'s running
-    max ``m``, sum ``l`` and accumulator (the flash-attention recurrence)."""
-    n = jh - jl
-    sr = s[:n]
-    d_k = qrow.shape[0]
-    # Scores four keys at a time: each q load feeds four vectorised dot
-    # products (one q load per four FMAs instead of one per FMA).
-    j = 0
-    while j + 4 <= n:
-        jj = jl + j
-        q0 = qrow[0]  # typed like the scores (a 0.0 literal is float64)
-        a0, a1, a2, a3 = q0 * kt[jj, 0], q0 * kt[jj + 1, 0], q0 * kt[jj + 2, 0], q0 * kt[jj + 3, 0]
-        for d in range(1, d_k):  # reassociated: vectorised reductions
-            qd = qrow[d]
-            a0 += qd * kt[jj, d]
-            a1 += qd * kt[jj + 1, d]
-            a2 += qd * kt[jj + 2, d]
-            a3 += qd * kt[jj + 3, d]
-        sr[j], sr[j + 1], sr[j + 2], sr[j + 3] = a0, a1, a2, a3
-        j += 4
-    while j < n:
-        jj = jl + j
-        dot = qrow[0] * kt[jj, 0]
-        for d in range(1, d_k):
-            dot += qrow[d] * kt[jj, d]
-        sr[j] = dot
-        j += 1
-    m_new = m[r]
-    for j in range(n):
-        x = sr[j]
-        if softcap > 0.0:  # ONNX: softcap before the mask
-            x = softcap * math.tanh(x / softcap)
-        if has_mask:
-            x += mask[mask_base + (j0 + jl + j) * mask_stride]
-        sr[j] = x
-        if x > m_new:
-            m_new = x
-    if m_new == -np.inf:  # every key of this span is masked: nothing to add
-        return
-    # Rescale what was accumulated under the old max: e^(m_old - m_new) (0 at start).
-    alpha = math.exp(m[r] - m_new)
-    total = l[r] * alpha
-    d_v = acc_row.shape[0]
-    for d in range(d_v):
-        acc_row[d] *= alpha
-    for j in range(n):
-        x = sr[j]
-        # A masked key (-inf) gets weight 0 without an exp, and is skipped below.
-        p = 0.0 if x == -np.inf else math.exp(x - m_new)
-        total += p
-        sr[j] = p
-    # acc += p_j v_j, four keys per pass over acc (one load/store of acc per
-    # four FMAs); a key of weight 0 adds exactly nothing, so it is skipped
-    # (its V may be anything, inf included).
-    j = 0
-    while j < n:
-        jj = jl + j
-        if j + 4 <= n and sr[j] != 0 and sr[j + 1] != 0 and sr[j + 2] != 0 and sr[j + 3] != 0:
-            p0, p1, p2, p3 = sr[j], sr[j + 1], sr[j + 2], sr[j + 3]
-            for d in range(d_v):
-                acc_row[d] += (p0 * vt[jj, d] + p1 * vt[jj + 1, d]
-                               + p2 * vt[jj + 2, d] + p3 * vt[jj + 3, d])
-            j += 4
-        else:
-            p = sr[j]
-            if p != 0:
-                for d in range(d_v):
-                    acc_row[d] += p * vt[jj, d]
-            j += 1
-    l[r] = total
-    m[r] = m_new
-
-
-@jit()
-def _write_row(y, base, stride, acc_row, total):
-    """``y = acc / l``; a row that attended no key (``l == 0``) is zeros."""
-    inv = 0.0 if total == 0.0 else 1.0 / total
-    for d in range(acc_row.shape[0]):
-        y[base + d * stride] = acc_row[d] * inv
-
-
-# Two entry points (a parallel build and its serial twin) rather than
-# ``jit(...)(_attention_body)`` twice: numba's disk cache keys a kernel by its
-# Python function and signature, not by its flags (see _kernels/scatter.py).
-@jit(parallel=True)
-def attention_parallel(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid):
-    _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid)
-
-
-@jit()
-def attention_serial(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid):
-    _attention_body(q, q_tab, kp, kn, k_tab, vp, vn, v_tab, mask, y, ints, st, floats, offset, valid)
+                acc[r, d] += part_acc[first + c, r, d] * w
+    _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)

@@ -24,22 +24,22 @@ linear mode ``0 <= write_indices[b] <= max_seq - seq_len``; ``dst`` overlaps
 neither ``upd`` nor ``src``.
 
 Parallel strategy: one work item per (prefix row, chunk of written sequence
-positions), chunks sized by the wrapper to move ~64 KiB; items are independent.
+positions), chunks sized by the wrapper to move ~64 KiB; items are independent
+and ``numkv._threads`` hands contiguous ranges of them to its threads.
 Within an item, positions that come from one source without wrapping are
 copied as one run.
 """
 
 import numpy as np
-from numba import prange
-
 from .._config import jit
 
 HEADER = 10
 
 
-@jit(inline=True)
-def _scatter_body(dst, upd, src, plan, write_indices, circular):
-    """Write ``upd`` into ``dst`` at ``(write_indices[b] + i) % max_seq``.
+@jit()
+def scatter_items(first, stop, dst, upd, src, plan, write_indices, circular):
+    """Work items ``first .. stop`` (of ``n_items(plan)``): write ``upd`` into
+    ``dst`` at ``(write_indices[b] + i) % max_seq``.
 
     ``copy_all`` 0: only the ``seq_len`` updated positions of each row are
     written (in place, O(update)).  ``copy_all`` 1: every position is written,
@@ -56,12 +56,9 @@ def _scatter_body(dst, upd, src, plan, write_indices, circular):
     cols = batch_of + n_rows
     n_pos = max_seq if copy_all else seq_len
     n_chunks = (n_pos + chunk - 1) // chunk
-    for item in prange(n_rows * n_chunks):
+    for k in range(first, stop):
         # Integer division costs ~30 ns an item, a 1-token append's whole
         # copy: skip it when rows are not chunked, and look the batch row up.
-        # int64: the prange index is unsigned, and unified with the int64
-        # branch below it would become float64.
-        k = np.int64(item)
         if n_chunks == 1:
             p, pos = k, 0
         else:
@@ -131,16 +128,3 @@ def _gather_units(dst, d0, a, a0, plan, dst_cols, a_cols, n_cols):
     """One position's ``n_cols`` units through the plan's column offset tables."""
     for r in range(n_cols):
         dst[d0 + plan[dst_cols + r]] = a[a0 + plan[a_cols + r]]
-
-
-# Two entry points rather than ``jit(...)(_scatter_body)`` twice: numba's disk
-# cache keys a kernel by its Python function and signature, not by its flags,
-# so two builds of one function would load each other's code from the cache.
-@jit()
-def scatter_serial(dst, upd, src, plan, write_indices, circular):
-    _scatter_body(dst, upd, src, plan, write_indices, circular)
-
-
-@jit(parallel=True)
-def scatter_parallel(dst, upd, src, plan, write_indices, circular):
-    _scatter_body(dst, upd, src, plan, write_indices, circular)

@@ -1,0 +1,174 @@
+"""NaN and Inf in ``numkv.attention``, as API.md states them.
+
+* A NaN (or +inf) that enters an attended score -- from Q, K, a float mask or
+  ``scale`` -- makes that query's row NaN, as in the reference, wherever the
+  key sits, whatever the tiling, key split, product kernel or thread count.
+* Keys that the mask, the causal rule, a window or ``nonpad_kv_seqlen``
+  exclude never influence Y, even when their K or V hold inf or NaN (the one
+  deliberate difference from the reference, whose ``0 * inf`` gives NaN).
+* ``scale`` beyond float32's range gives the reference's float32 values.
+"""
+
+import numpy as np
+import pytest
+
+import numkv
+import oracle
+from numkv import _attention, _thread_limits
+
+B, HQ, HKV, D = 1, 4, 2, 16
+
+# (block_q, block_k, kv_chunk, blas_rows): the default; small tiles with the
+# loop kernel; small tiles with BLAS; a split key range (partials merged).
+RUNS = {
+    "default": {},
+    "loop-tiles": dict(block_q=3, block_k=7, blas_rows=1 << 30),
+    "blas-tiles": dict(block_q=3, block_k=7, blas_rows=1),
+    "split-keys": dict(block_k=8, kv_chunk=24),
+}
+
+
+def inputs(rng, sq=5, skv=96):
+    q = rng.standard_normal((B, HQ, sq, D), np.float32)
+    k = rng.standard_normal((B, HKV, skv, D), np.float32)
+    v = rng.standard_normal((B, HKV, skv, D), np.float32)
+    return q, k, v
+
+
+def attention(q, k, v, run=None, **attrs):
+    """numkv's Y, through ``_attention.run`` with the ``RUNS`` settings."""
+    call = _attention.prepare(q, k, v, **attrs)
+    return _attention.run(call, **RUNS[run or "default"])
+
+
+def nan_rows(y):
+    """``(B, Hq, Sq)``: which rows are NaN (a row is all NaN or all finite)."""
+    bad = np.isnan(y)
+    assert (bad.all(axis=-1) == bad.any(axis=-1)).all(), "a row is partly NaN"
+    return bad.any(axis=-1)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_nan_in_a_query_row_makes_that_row_nan(rng, run):
+    q, k, v = inputs(rng)
+    q[0, 1, 2, 5] = np.nan
+    y = attention(q, k, v, run)
+    expected = np.zeros((B, HQ, 5), bool)
+    expected[0, 1, 2] = True
+    assert (nan_rows(y) == expected).all()
+    reference = oracle.attention(q, k, v)[0]
+    assert (np.isnan(reference) == np.isnan(y)).all()
+    np.testing.assert_allclose(y[~np.isnan(y)], reference[~np.isnan(y)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("where", [0, 40, 95], ids=["first-key", "middle-key", "last-key"])
+def test_nan_in_an_attended_key_makes_the_rows_that_see_it_nan(rng, run, where):
+    q, k, v = inputs(rng)
+    k[0, 1, where, 3] = np.nan  # kv head 1: query heads 2 and 3
+    y = attention(q, k, v, run)
+    expected = np.zeros((B, HQ, 5), bool)
+    expected[0, 2:] = True
+    assert (nan_rows(y) == expected).all()
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_nan_in_a_causal_key_only_reaches_the_queries_after_it(rng, run):
+    q, k, v = inputs(rng, sq=96)
+    k[0, 0, 50, 0] = np.nan
+    y = attention(q, k, v, run, is_causal=True)
+    rows = nan_rows(y)
+    assert not rows[0, 2:].any()          # the other kv head
+    assert not rows[0, :2, :50].any()     # queries before key 50 never see it
+    assert rows[0, :2, 50:].all()
+    # The deliberate difference: the reference adds the causal -inf to the NaN
+    # score (still NaN), so every query of the head comes out NaN there.
+    reference = oracle.attention(q, k, v, is_causal=True)[0]
+    assert np.isnan(reference[0, :2]).all()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("rule", ["nonpad", "causal", "window", "bool-mask", "float-mask"])
+def test_excluded_keys_never_influence_y(rng, run, rule, value):
+    """Garbage in the K and V of keys no query may attend changes nothing."""
+    q, k, v = inputs(rng, sq=96 if rule == "causal" else 6)
+    attrs, excluded, rows = {}, np.zeros(96, bool), slice(None)
+    if rule == "nonpad":
+        attrs["nonpad_kv_seqlen"] = np.array([70])
+        excluded[70:] = True  # a cache's unwritten capacity
+    elif rule == "causal":
+        attrs["is_causal"] = True
+        excluded[50:] = True  # the future of queries 0..49
+        rows = slice(0, 50)
+    elif rule == "window":
+        attrs.update(left_window_size=2, right_window_size=0)
+        excluded[6:] = True  # queries sit at 0..5 and see at most themselves
+    else:
+        excluded[10:30] = True
+        mask = ~excluded[None, None, None, :]
+        attrs["attn_mask"] = mask if rule == "bool-mask" else np.where(mask, 0.0, -np.inf).astype(np.float32)
+    clean = attention(q, k, v, run, **attrs)[:, :, rows]
+    k[:, :, excluded] = value
+    v[:, :, excluded] = value
+    y = attention(q, k, v, run, **attrs)[:, :, rows]
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, clean, rtol=1e-6, atol=1e-6)
+    if run == "loop-tiles":  # same tiles, same arithmetic: bit for bit
+        assert np.array_equal(y, clean)
+
+
+def test_nan_in_an_attended_float_mask_entry_makes_the_row_nan(rng):
+    q, k, v = inputs(rng, sq=3)
+    mask = np.zeros((1, 1, 3, 96), np.float32)
+    mask[0, 0, 1, 60] = np.nan
+    mask[0, 0, 2, 10:20] = -np.inf
+    y = attention(q, k, v, attn_mask=mask)
+    assert (nan_rows(y) == np.array([False, True, False])[None, None]).all()
+    reference = oracle.attention(q, k, v, attn_mask=mask)[0]
+    assert (np.isnan(reference) == np.isnan(y)).all()
+
+
+def test_plus_inf_in_a_mask_makes_the_row_nan_like_the_reference(rng):
+    q, k, v = inputs(rng, sq=2)
+    mask = np.zeros((1, 1, 2, 96), np.float32)
+    mask[0, 0, 0, 5] = np.inf
+    y = attention(q, k, v, attn_mask=mask)
+    reference = oracle.attention(q, k, v, attn_mask=mask)[0]
+    assert (np.isnan(reference) == np.isnan(y)).all() and np.isnan(y[0, :, 0]).all()
+
+
+def test_nan_scale_gives_nan_rows(rng):
+    q, k, v = inputs(rng, sq=2)
+    assert np.isnan(attention(q, k, v, scale=float("nan"))).all()
+    assert np.isnan(oracle.attention(q, k, v, scale=float("nan"))[0]).all()
+
+
+def test_nan_with_split_keys_on_several_threads(rng, monkeypatch):
+    """Decode over a long cache, the key range split into chunks and run on 3
+    threads: a NaN in any chunk makes the row NaN, bit-identical to 1 thread."""
+    q = rng.standard_normal((1, 4, 1, 16), np.float32)
+    k = rng.standard_normal((1, 1, 3000, 16), np.float32)
+    v = rng.standard_normal((1, 1, 3000, 16), np.float32)
+    k[0, 0, 2222, 0] = np.nan
+    monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", 0)
+    results = []
+    for threads in (1, 3):
+        monkeypatch.setattr(_thread_limits, "current", lambda n=threads: n)
+        results.append(numkv.attention(q, k, v))
+    assert np.isnan(results[0]).all()
+    assert np.array_equal(results[0], results[1], equal_nan=True)
+
+
+@pytest.mark.parametrize("scale", [1e39, 1e-46, 3e38])
+def test_scale_beyond_float32_gives_the_references_float32_values(rng, scale):
+    """The reference multiplies Q and K by ``sqrt(scale)`` each (in the input
+    dtype): a scale that float32 cannot hold still gives finite scores where
+    they fit, and overflowing ones (+inf: a NaN row) where they do not."""
+    q, k, v = inputs(rng, sq=4, skv=8)
+    q *= np.float32(1e-3)
+    y = numkv.attention(q, k, v, scale=scale)
+    reference = oracle.attention(q, k, v, scale=scale, float64=False)[0]
+    assert (np.isnan(y) == np.isnan(reference)).all()
+    finite = ~np.isnan(y)
+    np.testing.assert_allclose(y[finite], reference[finite], rtol=1e-4, atol=1e-5)
