@@ -1,6 +1,6 @@
 """The numkv command line: ``python -m numkv COMMAND`` or ``numkv COMMAND``.
 
-  info     versions, BLAS, threads, threading layer, kernel cache (the default)
+  info     versions, BLAS, threads and threading, kernel cache (the default)
   demo     greedy decoding with and without KV caches: agreement and tokens/s
   bench    numkv's speed beside onnx.reference and the installed peers
   warmup   compile every kernel into numba's disk cache ahead of time

@@ -2,7 +2,7 @@
 
 Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS numba's
 matrix products call (SciPy's: numba's ``np.dot`` goes through
-``scipy.linalg.cython_blas``) and NumPy's, threads and threading layer, and
+``scipy.linalg.cython_blas``) and NumPy's, threads and how they are run, and
 where numba keeps numkv's compiled kernels (and whether it could use the
 directory asked for).
 """
@@ -21,7 +21,7 @@ from numkv._compile_notice import is_numkv_kernel
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        "info", help="versions, BLAS, threads, threading layer and kernel cache directory",
+        "info", help="versions, BLAS, threads and threading, kernel cache directory",
         description=__doc__.split("\n\n")[0] + " Compiles nothing.")
     p.set_defaults(run=run)
     return p
@@ -79,19 +79,12 @@ def _numpy_blas_config():
 
 
 def threading_info():
-    """``(threads, layer)``.  numba picks its threading layer when threads
-    first launch; launching them here costs ~0.1 s and compiles nothing."""
-    import numba
+    """``(threads, how)``: numkv's thread count and how its kernels use the
+    threads, as numkv's own configuration says (compiles nothing)."""
+    from numkv._config import runtime_info
 
-    threads = numkv.get_num_threads() if hasattr(numkv, "get_num_threads") else numba.get_num_threads()
-    try:
-        from numba.np.ufunc import parallel
-
-        parallel._launch_threads()  # what numba's first parallel kernel call does
-        layer = numba.threading_layer()
-    except Exception as exc:  # no layer could start: say why
-        layer = f"none could start ({type(exc).__name__}: {exc})"
-    return threads, layer
+    _, threads, how = runtime_info()
+    return threads, how
 
 
 def kernel_dispatchers():
@@ -147,10 +140,10 @@ def run(args=None):
     scipy_blas, numpy_blas = blas_info()
     print(f"BLAS numba calls (SciPy's): {scipy_blas}")
     print(f"NumPy's BLAS: {numpy_blas}")
-    threads, layer = threading_info()
+    threads, how = threading_info()
     env = ", ".join(f"{k}={os.environ[k]}" for k in
                     ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_THREADING_LAYER") if k in os.environ)
-    print(f"threads: {threads}, threading layer: {layer}" + (f"  ({env})" if env else ""))
+    print(f"threads: {threads}, threading: {how}" + (f"  ({env})" if env else ""))
     path, note = cache_location()
     print(f"kernel cache: {path or '-'}  ({note})")
     sys.stdout.flush()
