@@ -211,8 +211,8 @@ def run(args):
     if jobs > 1 and not _can_serialise():
         print("  (numba's cache writes can't be serialised here: one group at a time)")
         jobs = 1
-    print(f"  {len(names)} groups, {jobs} process{'es' if jobs > 1 else ''} (measured on 2 busy cores: "
-          f"40-65 s from a cold cache, about 5 s when already cached)", flush=True)
+    print(f"  {len(names)} groups, {jobs} process{'es' if jobs > 1 else ''} (measured on 2 shared cores: "
+          f"25-65 s from a cold cache, about 5 s when already cached)", flush=True)
     start = time.perf_counter()
     results = _run_in_process(names) if jobs == 1 else _run_in_pool(names, jobs)
     failed, total = [], 0
