@@ -1,45 +1,48 @@
-"""``python -m numkv [info|demo|bench]``: what numkv runs on, and what it does.
+"""The numkv command line: ``python -m numkv COMMAND`` or ``numkv COMMAND``.
 
-Uses the public API only.
+  info     versions, BLAS, threads and threading, kernel cache (the default)
+  demo     greedy decoding with and without KV caches: agreement and tokens/s
+  bench    numkv's speed beside onnx.reference and the installed peers
+  warmup   compile every kernel into numba's disk cache ahead of time
+
+Each command takes --help.  Uses the public API (and, for info and warmup,
+numba's own view of numkv's kernels).
 """
 
 import argparse
+import os
 import sys
-import time
-
-import numpy as np
 
 import numkv
 
 
-def info(args=None):
-    """Version, numba threading, and one small scatter (compiles on first use)."""
-    from numkv._config import runtime_info
+def _prog():
+    """What the user typed: the ``numkv`` script, or ``python -m numkv``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "numkv" if name in ("numkv", "numkv.exe") else "python -m numkv"
 
-    cache = np.zeros((4, 8, 256, 128), np.float32)
-    update = np.ones((4, 8, 16, 128), np.float32)
-    start = time.perf_counter()
-    present = numkv.tensor_scatter(cache, update, np.array([0, 16, 32, 240]), mode="circular")
-    elapsed = time.perf_counter() - start
-    numba_version, threads, layer = runtime_info()
-    print(f"numkv {numkv.__version__}  (numba {numba_version}, numpy {np.__version__})")
-    print(f"threads: {threads}  threading layer: {layer}")
-    print(
-        f"tensor_scatter: wrote {update.shape} into {cache.shape} in {elapsed * 1e3:.1f} ms "
-        f"(first call, includes compilation); rows written: {int(present[:, 0, :, 0].sum())}"
-    )
+
+def build_parser(prog=None):
+    from numkv import _cli_bench, _cli_demo, _cli_info, _cli_warmup
+
+    parser = argparse.ArgumentParser(
+        prog=prog or _prog(),
+        description="The numkv command line: python -m numkv COMMAND, or numkv COMMAND.",
+        epilog="Without a command: info.  `COMMAND --help` describes each.")
+    parser.add_argument("--version", action="version", version=f"numkv {numkv.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _cli_info.add_parser(sub)
+    _cli_demo.add_parser(sub)
+    _cli_bench.add_parser(sub)
+    _cli_warmup.add_parser(sub)
+    return parser
 
 
 def main(argv=None):
-    from numkv import _cli_bench, _cli_demo
+    from numkv import _cli_info
 
-    parser = argparse.ArgumentParser(prog="python -m numkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("info", help="version, threading layer, a tiny scatter (the default)")
-    _cli_demo.add_parser(sub)
-    _cli_bench.add_parser(sub)
-    args = parser.parse_args(argv)
-    getattr(args, "run", info)(args)
+    args = build_parser().parse_args(argv)
+    getattr(args, "run", _cli_info.run)(args)
     return 0
 
 

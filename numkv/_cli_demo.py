@@ -73,6 +73,16 @@ class _Progress:
             self.stream.flush()
 
 
+def _first_compile(label, kwargs):
+    """What a run's first call may compile, and about how long that takes from
+    a cold cache (measured on 2 busy cores: 19 s for the first run, whose
+    float32 attention builds the kernel every dtype shares; 1-2 s for each
+    cache dtype's writes after it)."""
+    if label.startswith("(a)"):
+        return f"run {label}: float32 attention", 20
+    return f"run {label}", 5
+
+
 def _timed(decoder, prompts, new_tokens, label, **kwargs):
     progress = _Progress(label)
     start = time.perf_counter()
@@ -119,6 +129,7 @@ def _compare(tokens, logits, ref_tokens, ref_logits):
 
 
 def run(args):
+    from numkv._compile_notice import compile_notice
     from numkv._config import set_threads, threads
     from numkv.layers import Decoder
 
@@ -152,12 +163,18 @@ def run(args):
           f"{args.new_tokens} new tokens each, greedy")
 
     # Compile every kernel variant on a small problem first, so that the
-    # timings below measure decoding, not numba's compiler.
+    # timings below measure decoding, not numba's compiler; from a cold disk
+    # cache each run's first compile is announced before it starts.
     start = time.perf_counter()
     small = [p[:2] for p in prompts[:2]]
-    for _, kwargs, _ in runs:
-        decoder.generate(small, 2, **kwargs)
-    print(f"compile + warm-up: {time.perf_counter() - start:.1f} s", flush=True)
+    compiled = 0
+    for label, kwargs, _ in runs:
+        what, seconds = _first_compile(label, kwargs)
+        with compile_notice(what, seconds) as watch:
+            decoder.generate(small, 2, **kwargs)
+        compiled += watch.compiled
+    note = " (numba keeps the kernels in its disk cache: later runs skip this)" if compiled else ""
+    print(f"compile + warm-up: {time.perf_counter() - start:.1f} s{note}", flush=True)
 
     total = args.batch * args.new_tokens
     print(f"\n{'run':<44}{'time':>9}{'tokens/s':>11}{'speed-up':>10}  check", flush=True)

@@ -149,6 +149,26 @@ class _KVCache:
         return dict(K=self._k[:, :, :n], V=self._v[:, :, :n],
                     nonpad_kv_seqlen=extent, is_causal=True)
 
+    def __repr__(self):
+        """Class, shapes, dtype, mode and each row's length, e.g.
+        ``StaticKVCache(batch_size=2, num_heads=8, max_seq_len=1024,
+        head_dim=64, dtype=float32, mode='linear', seq_lens=[5, 3])``."""
+        name = type(self).__name__
+        if self._k is None:
+            return f"{name}(empty: batch, heads, head sizes and dtype come with the first append)"
+        batch, heads, capacity, head_dim = self._k.shape
+        fields = [f"batch_size={batch}", f"num_heads={heads}",
+                  # a static cache's capacity is its constructor's max_seq_len; a dynamic one grows
+                  f"max_seq_len={capacity}" if isinstance(self, StaticKVCache) else f"capacity={capacity}",
+                  f"head_dim={head_dim}"]
+        if self._v.shape[3] != head_dim:
+            fields.append(f"v_head_dim={self._v.shape[3]}")
+        fields += [f"dtype={self._k.dtype.name}", f"mode={self.mode!r}"]
+        if self.mode == "circular":
+            fields.append(f"window={self.window}")
+        lens = np.array2string(self._lens, separator=", ", threshold=16, edgeitems=4)
+        return f"{name}({', '.join(fields)}, seq_lens={lens})"
+
     def _crop_lengths(self, n):
         n = as_int(n, "n")
         if n >= 0:

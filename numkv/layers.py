@@ -308,11 +308,15 @@ class Decoder:
         """Greedy decoding of ``new_tokens`` tokens after each prompt.
 
         ``prompts``: a sequence of 1-D int arrays of different (non-zero)
-        lengths.  ``cache``: None recomputes the whole prefix every step (with
-        ``window``: sliding-window attention); ``"dynamic"``, ``"static"``,
-        ``"circular"`` prefill the right-padded prompts into per-layer caches of
-        ``dtype`` (in chunks of ``prefill_chunk`` tokens if given) and then
+        lengths.  ``cache`` names the kind of caches to use, not a cache
+        object: None recomputes the whole prefix every step (with ``window``:
+        sliding-window attention); ``"dynamic"``, ``"static"`` or
+        ``"circular"`` make one cache of that kind per layer
+        (``new_caches``), prefill the right-padded prompts into them (in
+        chunks of ``prefill_chunk`` tokens if given), in ``dtype``, and then
         decode one token per row per step, each row at its own position.
+        (To decode with caches of your own, call ``decoder(tokens, caches)``
+        step by step.)
         ``slots``: the circular cache's capacity (default ``window`` + the
         longest prompt - 1, so prefill needs one chunk).  ``progress(done, total)``
         is called after each token.
@@ -320,6 +324,13 @@ class Decoder:
         Returns ``(tokens, logits)``: int64 ``(B, new_tokens)`` and the float32
         ``(B, new_tokens, vocab_size)`` logits each token was picked from.
         """
+        if cache is not None and not isinstance(cache, str):
+            raise TypeError(
+                f"cache names the kind of per-layer caches generate makes: None, "
+                f"{', '.join(map(repr, CACHE_KINDS))}; got {cache!r}.  To decode with caches of "
+                f"your own, make one per layer (decoder.new_caches) and call decoder(tokens, caches)")
+        if cache is not None and cache not in CACHE_KINDS:
+            raise ValueError(f"cache must be None or one of {', '.join(map(repr, CACHE_KINDS))}, got {cache!r}")
         prompts = [np.asarray(p, dtype=np.int64).ravel() for p in prompts]
         lens = np.array([p.size for p in prompts], np.int64)
         if not len(prompts) or lens.min() < 1:

@@ -1,0 +1,149 @@
+"""``python -m numkv info``: what numkv runs on, without compiling anything.
+
+Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS numba's
+matrix products call (SciPy's: numba's ``np.dot`` goes through
+``scipy.linalg.cython_blas``) and NumPy's, threads and how they are run, and
+where numba keeps numkv's compiled kernels (and whether it could use the
+directory asked for).
+"""
+
+import importlib
+import os
+import pkgutil
+import platform
+import sys
+
+import numpy as np
+
+import numkv
+from numkv._compile_notice import is_numkv_kernel
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "info", help="versions, BLAS, threads and threading, kernel cache directory",
+        description=__doc__.split("\n\n")[0] + " Compiles nothing.")
+    p.set_defaults(run=run)
+    return p
+
+
+def _version(module_name):
+    try:
+        return importlib.import_module(module_name).__version__
+    except ImportError:
+        return "not installed"
+
+
+def blas_info():
+    """``(scipy_blas, numpy_blas)`` as short strings.
+
+    threadpoolctl, if installed, names the libraries loaded in this process
+    (after importing SciPy's and NumPy's BLAS wrappers) with their versions
+    and thread counts; otherwise each package's build configuration says
+    what it was built against; otherwise "unknown".
+    """
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401  loads the library numba calls
+    except ImportError:
+        return "none: SciPy is not installed (numba's np.dot needs it)", _numpy_blas_config()
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return _config_blas("scipy"), _numpy_blas_config()
+    scipy_blas = numpy_blas = None
+    for lib in threadpool_info():
+        if lib.get("user_api") != "blas":
+            continue
+        text = (f"{lib.get('internal_api')} {lib.get('version') or ''}".rstrip()
+                + f", {lib.get('num_threads')} threads ({lib.get('filepath')})")
+        path = (lib.get("filepath") or "").replace("\\", "/")
+        if "/scipy" in path and scipy_blas is None:
+            scipy_blas = text
+        elif "/numpy" in path and numpy_blas is None:
+            numpy_blas = text
+    return scipy_blas or _config_blas("scipy"), numpy_blas or _numpy_blas_config()
+
+
+def _config_blas(package):
+    """The BLAS a package says it was built with (``show_config`` dicts)."""
+    try:
+        config = importlib.import_module(package).show_config(mode="dicts")
+        blas = config["Build Dependencies"]["blas"]
+        return f"{blas['name']} {blas.get('version', '')}".rstrip() + " (build configuration)"
+    except Exception:  # old packages have no mode="dicts"; any shape change: unknown
+        return "unknown"
+
+
+def _numpy_blas_config():
+    return _config_blas("numpy")
+
+
+def threading_info():
+    """``(threads, how)``: numkv's thread count and how its kernels use the
+    threads, as numkv's own configuration says (compiles nothing)."""
+    from numkv._config import runtime_info
+
+    _, threads, how = runtime_info()
+    return threads, how
+
+
+def kernel_dispatchers():
+    """numba dispatchers of every module in ``numkv._kernels`` (importing
+    them compiles nothing: the kernels are lazy)."""
+    from numkv import _kernels
+
+    found = []
+    for module_info in pkgutil.iter_modules(_kernels.__path__):
+        module = importlib.import_module(f"{_kernels.__name__}.{module_info.name}")
+        found += [obj for obj in vars(module).values()
+                  if hasattr(obj, "stats") and hasattr(obj, "py_func") and is_numkv_kernel(obj)]
+    return found
+
+
+def cache_location():
+    """``(path or None, note)``: the directory numba's own cache locator
+    chose for numkv's kernels, and a sentence about it.
+
+    numba takes ``NUMBA_CACHE_DIR`` if set, else ``__pycache__`` beside the
+    kernels, else a per-user directory, skipping any it cannot write to (it
+    tests by writing a file there): a read-only ``NUMBA_CACHE_DIR`` is
+    silently passed over, so say so.
+    """
+    from numkv import _config
+
+    if not _config.CACHE:
+        return None, "off (NUMKV_CACHE=0): kernels compile in every new process"
+    paths = sorted({d.stats.cache_path for d in kernel_dispatchers()} - {None})
+    wanted = os.environ.get("NUMBA_CACHE_DIR")
+    ignored = (f"; NUMBA_CACHE_DIR={wanted} is not writable by this user, so numba ignores it"
+               if wanted and not any(_inside(p, wanted) for p in paths)
+               else "")
+    if not paths:
+        return None, ("none: no cache directory is writable, kernels compile in every new process"
+                      + (ignored or " (set NUMBA_CACHE_DIR to a directory this user can write)"))
+    path = paths[0]
+    files = [f for f in os.listdir(path) if f.endswith(".nbc")] if os.path.isdir(path) else []
+    return path, f"{len(files)} compiled kernel files, writable" + ignored
+
+
+def _inside(path, directory):
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def run(args=None):
+    print(f"numkv {numkv.__version__}  ({os.path.dirname(numkv.__file__)})")
+    print(f"python {platform.python_version()} on {platform.machine()} ({os.cpu_count()} CPUs), "
+          f"{platform.system()}")
+    print(f"numpy {np.__version__}, numba {_version('numba')}, llvmlite {_version('llvmlite')}, "
+          f"ml_dtypes {_version('ml_dtypes')}, scipy {_version('scipy')}")
+    scipy_blas, numpy_blas = blas_info()
+    print(f"BLAS numba calls (SciPy's): {scipy_blas}")
+    print(f"NumPy's BLAS: {numpy_blas}")
+    threads, how = threading_info()
+    env = ", ".join(f"{k}={os.environ[k]}" for k in
+                    ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_THREADING_LAYER") if k in os.environ)
+    print(f"threads: {threads}, threading: {how}" + (f"  ({env})" if env else ""))
+    path, note = cache_location()
+    print(f"kernel cache: {path or '-'}  ({note})")
+    sys.stdout.flush()

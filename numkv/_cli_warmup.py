@@ -1,0 +1,265 @@
+"""``python -m numkv warmup``: compile every kernel numkv has into numba's
+disk cache ahead of time, so that no later process pays for compilation
+(a Docker build step, a CI cache, a read-only install).
+
+Through the public API only: each group calls ``numkv.tensor_scatter`` or
+``numkv.attention`` over a grid of shapes, layouts and options in one dtype
+family, so whatever specialisations the kernels need for that family are the
+ones compiled — however many there are and whatever they are called.
+
+Groups run in parallel processes (spawned, never forked: a forked child of a
+process whose OpenMP threads ran can hang).  numba's cache index is not safe
+for two processes adding entries at once: each rewrites the whole index and
+takes the next free data-file number, so one entry is lost or, worse, one
+process's data file is overwritten by another's code under the same number.
+The workers therefore serialise numba's cache writes with a file lock; where
+that can't be done (no ``fcntl``, another numba) the groups run one by one.
+"""
+
+import os
+import tempfile
+import time
+
+import numpy as np
+
+import numkv
+from numkv._compile_notice import CompileWatch
+
+FLOAT8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+# -- what to compile ----------------------------------------------------------
+
+def _scatter_group():
+    """Every element width (1, 2, 4, 8 and 16 bytes, 4-bit types, strings),
+    in place / functional / into another buffer, small (serial) and large
+    (parallel), linear and circular, another axis, strided and unaligned."""
+    rng = np.random.default_rng(0)
+    names = ["bool", "int8", "uint8", "int16", "float16", "bfloat16", "int32", "float32",
+             "int64", "float64", "complex64", "complex128", "float4_e2m1fn", "int4", "uint4",
+             *FLOAT8, ">f4", "U4", "object"]
+    for name in names:
+        dtype = _dtype(name)
+        for shape in ((2, 2, 16, 4), (4, 8, 256, 64)):  # 512 B and 2 MiB of float32
+            cache = np.zeros(shape, dtype)
+            update = rng.integers(0, 2, shape[:2] + (3, shape[3])).astype(dtype)
+            starts = np.array([0, 5] + [1] * (shape[0] - 2))
+            numkv.tensor_scatter(cache, update, starts, out=cache)
+            numkv.tensor_scatter(cache, update, starts)
+            numkv.tensor_scatter(cache, update, starts, out=np.empty_like(cache))
+            numkv.tensor_scatter(cache, update, starts - 6, mode="circular", out=cache)
+            # (B, S, H, D) buffers: the sequence on axis 1, and as a strided (B, H, S, D) view
+            seq_first = np.zeros((shape[0], shape[2], shape[1], shape[3]), dtype)
+            numkv.tensor_scatter(seq_first, update.transpose(0, 2, 1, 3), starts, axis=1, out=seq_first)
+            strided = seq_first.transpose(0, 2, 1, 3)
+            numkv.tensor_scatter(strided, update, starts, out=strided)
+        if dtype.kind != "O":  # a view one byte off alignment: elements read byte by byte
+            raw = np.zeros(cache.nbytes + 1, np.uint8)[1:].view(dtype).reshape(cache.shape)
+            numkv.tensor_scatter(raw, update, starts, out=raw)
+
+
+def _attention_group(q_name, kv_names, softmax_precision=None):
+    """``numkv.attention`` with Q in ``q_name`` and K/V in each of ``kv_names``:
+    decode over a short and a long cache (split key range), prefill (many work
+    items), tiny calls (one thread), masks (bool, additive in Q's dtype,
+    integer), causal with and without a past, an external cache with
+    ``nonpad_kv_seqlen``, windows, softcap, 3-D inputs, strided and read-only
+    K/V, a V head size different from Q/K's."""
+    rng = np.random.default_rng(0)
+    q_dtype = _dtype(q_name)
+    extra = {} if softmax_precision is None else {"softmax_precision": softmax_precision}
+
+    def arr(shape, dtype):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32).astype(dtype)
+
+    mask_dtype = np.float32 if q_dtype.itemsize == 1 else q_dtype  # ONNX: mask in Q's type
+    for kv_name in kv_names:
+        kv_dtype = _dtype(kv_name)
+        # (batch, q_seq, kv_seq): decode over short and long caches, a few
+        # speculative tokens, prefills from tiny (one thread) to many tiles
+        for b, sq, skv in ((2, 1, 3), (2, 1, 64), (1, 1, 1500), (1, 1, 5000), (2, 4, 700),
+                           (2, 40, 40), (1, 160, 160), (1, 600, 600)):
+            q = arr((b, 4, sq, 32), q_dtype)
+            k, v = arr((b, 2, skv, 32), kv_dtype), arr((b, 2, skv, 16), kv_dtype)
+            call = lambda *a, **kw: numkv.attention(*a, **kw, **extra)  # noqa: E731
+            call(q, k, v)
+            call(q, k, v, is_causal=True, softcap=30.0, scale=0.2)
+            call(q, k, v, attn_mask=rng.random((sq, skv)) < 0.8)
+            call(q, k, v, attn_mask=arr((b, 1, sq, skv), mask_dtype))
+            call(q, k, v, attn_mask=rng.integers(-1, 1, (sq, skv)))
+            call(q, k, v, nonpad_kv_seqlen=np.full(b, max(1, skv - 2)), is_causal=True,
+                 left_window_size=7, right_window_size=0)
+            call(q, k[:, :, :1], v[:, :, :1], past_key=k[:, :, 1:], past_value=v[:, :, 1:], is_causal=True)
+            big_k = arr((b, 2, skv + 8, 32), kv_dtype)
+            ro = big_k[:, :, :skv]
+            ro.flags.writeable = False
+            call(q, ro, big_k[:, :, 8:], is_causal=True)
+            k3 = k.transpose(0, 2, 1, 3).reshape(b, skv, 64)
+            call(q.transpose(0, 2, 1, 3).reshape(b, sq, 128), k3, k3, q_num_heads=4, kv_num_heads=2)
+
+
+LOW = ("float16", "bfloat16", *FLOAT8)
+
+# In the order they start: the groups that compile the most first (float32
+# and float64 attention: with the kernel of 2026-11, every other dtype family
+# reuses their two builds), so that parallel workers start on those.
+GROUPS = {
+    "attention float32": lambda: _attention_group("float32", ["float32"]),
+    "attention float64": lambda: _attention_group("float64", ["float64"]),
+    "tensor_scatter": _scatter_group,
+    "attention float16": lambda: _attention_group("float16", ["float16"]),
+    "attention bfloat16": lambda: _attention_group("bfloat16", ["bfloat16"]),
+    "attention float8": lambda: [_attention_group(n, [n]) for n in FLOAT8],
+    "attention float32 Q + low-precision K/V": lambda: _attention_group("float32", LOW),
+    "attention softmax_precision=11": lambda: [_attention_group(n, [n], softmax_precision=11)
+                                               for n in ("float32", "float16", "bfloat16")],
+}
+
+
+# -- running them -------------------------------------------------------------
+
+def add_parser(subparsers):
+    names = "; ".join(GROUPS)
+    p = subparsers.add_parser(
+        "warmup", help="compile every kernel into numba's disk cache ahead of time",
+        description=__doc__.split("\n\n")[0].replace("``", "`")
+        + f" Groups: {names}.  The cache is NUMBA_CACHE_DIR if set (and writable), else "
+          "__pycache__ beside numkv's kernels, else numba's per-user directory.")
+    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="processes compiling at once (default: one per CPU, at most one per group; "
+                        "1 compiles in this process)")
+    p.add_argument("--group", action="append", choices=list(GROUPS), metavar="NAME",
+                   help="compile only this group (repeatable); one of: " + names)
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="list each kernel compiled, with its argument types")
+    p.set_defaults(run=run)
+    return p
+
+
+def _cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _serialise_cache_writes(lock_path):
+    """Make numba's cache writes in this process take ``lock_path``'s lock
+    (see the module docstring).  Returns whether it could."""
+    try:
+        import fcntl
+
+        from numba.core import caching
+    except ImportError:
+        return False
+    save = getattr(caching.IndexDataCacheFile, "save", None)
+    if save is None:
+        return False
+
+    def locked_save(self, key, data):
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            # save() re-reads the index under the lock: entries written by
+            # other processes meanwhile are kept, and data numbers are unique.
+            return save(self, key, data)
+
+    caching.IndexDataCacheFile.save = locked_save
+    return True
+
+
+def _can_serialise():
+    try:
+        import fcntl  # noqa: F401
+
+        from numba.core import caching
+    except ImportError:
+        return False
+    return hasattr(caching.IndexDataCacheFile, "save")
+
+
+def _init_worker(lock_path):
+    if not _serialise_cache_writes(lock_path):
+        raise RuntimeError("cannot serialise numba's cache writes in this process")
+
+
+def run_group(name):
+    """Run one group (in this process): ``(name, kernels compiled, seconds)``,
+    each kernel as ``"name(argument types)"``."""
+    watch = CompileWatch()
+    start = time.perf_counter()
+    with watch.installed():
+        GROUPS[name]()
+    return name, watch.kernels, time.perf_counter() - start
+
+
+def run(args):
+    from numkv._cli_info import cache_location
+
+    names = [n for n in GROUPS if n in (args.group or GROUPS)]
+    path, note = cache_location()
+    print(f"numkv {numkv.__version__} warmup: compiling numkv's kernels into numba's disk cache")
+    print(f"  cache: {path or '-'}  ({note})")
+    if path is None:
+        raise SystemExit("warmup: no disk cache to fill (see above)")
+    jobs = args.jobs or min(_cpus(), len(names))
+    if jobs > 1 and not _can_serialise():
+        print("  (numba's cache writes can't be serialised here: one group at a time)")
+        jobs = 1
+    print(f"  {len(names)} groups, {jobs} process{'es' if jobs > 1 else ''} (measured on 2 shared cores: "
+          f"25-65 s from a cold cache, about 5 s when already cached)", flush=True)
+    start = time.perf_counter()
+    results = _run_in_process(names) if jobs == 1 else _run_in_pool(names, jobs)
+    failed, total = [], 0
+    for i, (name, result) in enumerate(results, 1):
+        if isinstance(result, BaseException):
+            failed.append(name)
+            line = f"FAILED: {type(result).__name__}: {result}"
+        else:
+            _, kernels, seconds = result
+            compiled = len(kernels)
+            total += compiled
+            line = (f"compiled {compiled} kernel{'s' if compiled != 1 else ''} in {seconds:.1f} s" if compiled
+                    else f"already cached ({seconds:.1f} s)")
+        print(f"  [{i}/{len(names)}] {name:<40} {line}  "
+              f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        if args.verbose and not isinstance(result, BaseException):
+            for kernel in result[1]:
+                print(f"        {kernel}")
+    elapsed = time.perf_counter() - start
+    print(f"done in {elapsed:.1f} s: {total} kernels compiled, "
+          f"{len(names) - len(failed)} of {len(names)} groups ready in {path}")
+    if failed:
+        raise SystemExit(f"warmup: {len(failed)} group(s) failed: {', '.join(failed)}")
+
+
+def _run_in_process(names):
+    for name in names:
+        try:
+            yield name, run_group(name)
+        except Exception as exc:
+            yield name, exc
+
+
+def _run_in_pool(names, jobs):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with tempfile.TemporaryDirectory(prefix="numkv-warmup-") as tmp:
+        lock_path = os.path.join(tmp, "numba-cache.lock")
+        context = multiprocessing.get_context("spawn")
+        # Each worker wraps numba's cache writes once, before its first group.
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker,
+                                 initargs=(lock_path,)) as pool:
+            futures = {pool.submit(run_group, name): name for name in names}
+            for future in as_completed(futures):
+                try:
+                    yield futures[future], future.result()
+                except Exception as exc:
+                    yield futures[future], exc
+

@@ -1,0 +1,123 @@
+"""``python -m numkv warmup``: after it, a new process compiles nothing.
+
+The check that can fail: warm up in a subprocess, then run, in a fresh
+subprocess sharing the cache, a workload the warmup's own grid does not
+contain (the demo with every K/V dtype, other shapes, dtypes, masks and
+layouts) while counting numba's compiles of numkv kernels: any count above
+zero is a kernel the warmup missed, named in the failure.  It shares the
+suite's disk cache, so the kernels earlier tests compiled are loaded, not
+compiled again.
+"""
+
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from numkv import _cli_warmup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(os.environ.get("NUMKV_CACHE") == "0", reason="disk cache off")
+
+WORKLOAD = r"""
+import numpy as np, ml_dtypes, numkv
+from numkv.__main__ import main
+from numkv._compile_notice import CompileWatch
+
+def dt(name):
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+watch = CompileWatch()
+with watch.installed():
+    for kv in ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
+        main(["demo", "--size", "tiny", "--batch", "3", "--prompt-len", "9", "--new-tokens", "3",
+              "--kv-dtype", kv])
+    rng = np.random.default_rng(1)
+    for q_name, kv_name, precision in [
+        ("float32", "float32", None), ("float64", "float64", None), ("float16", "float16", None),
+        ("bfloat16", "bfloat16", None), ("float8_e4m3fnuz", "float8_e4m3fnuz", None),
+        ("float8_e5m2fnuz", "float8_e5m2fnuz", None), ("float8_e8m0fnu", "float8_e8m0fnu", None),
+        ("float32", "float8_e5m2fnuz", None), ("float32", "float16", None),
+        ("float32", "float32", 11), ("bfloat16", "bfloat16", 11), ("float32", "float32", 1),
+    ]:
+        q = rng.standard_normal((3, 6, 5, 24)).astype(dt(q_name))
+        k = rng.standard_normal((3, 3, 77, 24)).astype(dt(kv_name))
+        v = rng.standard_normal((3, 3, 77, 40)).astype(dt(kv_name))
+        numkv.attention(q, k, v, attn_mask=rng.random((3, 1, 5, 77)) < 0.7, softmax_precision=precision)
+        numkv.attention(q, k[:, :, :5], v[:, :, :5], past_key=k[:, :, 5:], past_value=v[:, :, 5:],
+                        is_causal=True, softmax_precision=precision)
+        numkv.attention(q[:, :, :1], k, v, nonpad_kv_seqlen=np.array([77, 3, 40]), is_causal=True,
+                        softmax_precision=precision)
+    for name in ("int16", "complex128", "U7", "float4_e2m1fn", "float8_e5m2", "uint64"):
+        cache = np.zeros((3, 4, 50, 8), dt(name))
+        update = np.ones((3, 4, 2, 8), dt(name))
+        numkv.tensor_scatter(cache, update, np.array([0, 7, 48]), out=cache)
+        numkv.tensor_scatter(cache, update, np.array([49, -1, 3]), mode="circular")
+print("COMPILED", watch.kernels)
+"""
+
+
+def _run(args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=900, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def warmup():
+    start = time.perf_counter()
+    done = _run(["-m", "numkv", "warmup"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout, time.perf_counter() - start
+
+
+def test_warmup_reports_every_group(warmup):
+    out, _ = warmup
+    for name in _cli_warmup.GROUPS:
+        line = next(line for line in out.splitlines() if f"] {name} " in line)
+        assert "compiled" in line or "already cached" in line, line
+    assert "done in" in out and f"{len(_cli_warmup.GROUPS)} of {len(_cli_warmup.GROUPS)} groups ready" in out
+
+
+def test_after_warmup_a_new_process_compiles_nothing(warmup):
+    done = _run(["-c", WORKLOAD])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "COMPILED []", (
+        "kernels the warmup missed: " + done.stdout.strip().splitlines()[-1])
+    assert "compiling numkv's kernels" not in done.stderr  # the demo had nothing to announce
+
+
+def test_a_second_warmup_compiles_nothing(warmup):
+    done = _run(["-m", "numkv", "warmup", "--jobs", "1", "--group", "attention float32",
+                 "--group", "tensor_scatter"])
+    assert done.returncode == 0, done.stderr
+    assert "0 kernels compiled" in done.stdout and done.stdout.count("already cached (") == 2
+
+
+def test_cache_writes_wait_for_the_lock(tmp_path, monkeypatch):
+    """Two processes adding entries to one numba index at once lose one (each
+    rewrites the whole index); the warmup's workers take a file lock first."""
+    from numba.core import caching
+
+    monkeypatch.setattr(caching.IndexDataCacheFile, "save", caching.IndexDataCacheFile.save)
+    lock_path = tmp_path / "lock"
+    assert _cli_warmup._serialise_cache_writes(str(lock_path))
+    index = caching.IndexDataCacheFile(str(tmp_path), "kernel", source_stamp="stamp")
+    other = caching.IndexDataCacheFile(str(tmp_path), "kernel", source_stamp="stamp")  # "another process"
+
+    with open(lock_path, "a") as held:  # another process holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        writer = threading.Thread(target=index.save, args=(("sig-a",), b"code a"))
+        writer.start()
+        writer.join(0.3)
+        assert writer.is_alive(), "save did not wait for the lock"
+        assert not (tmp_path / "kernel.nbi").exists()
+    writer.join(10)
+    other.save(("sig-b",), b"code b")
+    assert index.load(("sig-a",)) == b"code a" and index.load(("sig-b",)) == b"code b"
