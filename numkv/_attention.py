@@ -192,7 +192,7 @@ def _scale_factors(scale, dtype):
     factor on Q does the same where ``scale`` itself is a normal number of the
     accumulation dtype, and costs no pass over the scores."""
     info = np.finfo(dtype)
-    if scale == 0 or info.tiny <= abs(scale) <= info.max:
+    if scale == 0 or float(info.tiny) <= abs(scale) <= float(info.max):
         return scale, 1.0
     root = math.sqrt(scale)
     return root, root
