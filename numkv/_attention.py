@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _config, _threads
-from ._dtypes import (ATTENTION_DTYPES, e8m0_table, FLOAT8_TYPES, byte_operand, flat_view,
-                      kernel_dtype_codes)
+from ._dtypes import (byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
+                      is_mask_dtype, kernel_dtype_codes)
 from ._validate import as_array, as_float, as_int, index_vector
 
 # ONNX TensorProto codes: FLOAT, FLOAT16, DOUBLE, BFLOAT16.  DOUBLE makes the
@@ -289,7 +289,7 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
         mask, mask_len = _mask_view(attn_mask, (b, hq, sq, total), acc_dtype)
         np.minimum(valid, mask_len, out=valid)  # keys past the mask's end are -inf
 
-    out_dtype = np.dtype(np.float32) if Q.dtype in FLOAT8_TYPES else Q.dtype
+    out_dtype = np.dtype(np.float32) if is_float8_dtype(Q.dtype) else Q.dtype
     return AttentionCall(q, k, v, past_k, past_v, mask, offset, valid, scale, softcap,
                          is_causal, left, right, acc_dtype, out_dtype, three_d)
 
@@ -298,7 +298,7 @@ def _float_input(x, name):
     if x is None:
         raise TypeError(f"{name} is required")
     x = as_array(x, name)
-    if x.dtype not in ATTENTION_DTYPES:
+    if not is_attention_dtype(x.dtype):
         raise TypeError(
             f"{name} has dtype {x.dtype}; Attention takes float16, bfloat16, float32, float64 "
             f"or an ml_dtypes float8 type")
@@ -370,8 +370,10 @@ def _mask_view(attn_mask, target, acc_dtype):
     """The mask as an additive ``acc_dtype`` broadcast view of shape
     ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
     mask = as_array(attn_mask, "attn_mask")
-    if mask.dtype.kind not in "biuf" and mask.dtype.name != "bfloat16":
-        raise TypeError(f"attn_mask must be bool or numeric, got dtype {mask.dtype}")
+    if not is_mask_dtype(mask.dtype):
+        raise TypeError(
+            f"attn_mask has dtype {mask.dtype}; it must be bool, an integer, or a float type "
+            f"Attention takes (float16, bfloat16, float32, float64, float8)")
     if not 1 <= mask.ndim <= 4:
         raise ValueError(f"attn_mask must have rank 1 to 4, got rank {mask.ndim}")
     b, hq, sq, total = target

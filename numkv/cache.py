@@ -24,9 +24,9 @@ before anything is written, so a failed ``append`` leaves the cache unchanged.
 
 import numpy as np
 
-from ._dtypes import is_scatter_dtype
+from ._dtypes import is_cache_dtype
 from ._scatter import MODES, tensor_scatter
-from ._validate import as_int, index_vector
+from ._validate import as_array, as_int, index_vector
 
 
 def _count(value, name, minimum):
@@ -38,13 +38,23 @@ def _count(value, name, minimum):
 
 
 def _as_kv(array, name):
-    # No np.asarray of lists: a list of Python floats would become float64,
-    # a cast the caller did not ask for.
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    # Arrays only (subclasses, torch tensors...), no lists: a list of Python
+    # floats would become float64, a cast the caller did not ask for.
+    array = as_array(array, name, sequences=False)
     if array.ndim != 4:
         raise ValueError(f"{name} must have rank 4 (batch, heads, new_seq, head_dim), got shape {array.shape}")
     return array
+
+
+def _cache_dtype(dtype):
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype {dtype!r} is not a NumPy dtype ({exc})") from None
+    if not is_cache_dtype(dtype):
+        raise TypeError(f"dtype {dtype} is not supported for a KV cache "
+                        f"(a fixed-width TensorScatter type)")
+    return dtype
 
 
 class _KVCache:
@@ -225,8 +235,9 @@ class DynamicKVCache(_KVCache):
         if self._k is None:
             # The first append fixes the shapes and dtype the others must match.
             key, value = _as_kv(key, "key"), _as_kv(value, "value")
-            if not is_scatter_dtype(key.dtype) or key.dtype.kind in "USO":
-                raise TypeError(f"key dtype {key.dtype} is not supported for a KV cache")
+            if not is_cache_dtype(key.dtype):
+                raise TypeError(f"key has dtype {key.dtype}, which a KV cache cannot hold "
+                                f"(a fixed-width TensorScatter type)")
             batch, heads, _, head_dim = key.shape
             v_head_dim, dtype = value.shape[3], key.dtype
             start = np.zeros(batch, np.int64)
@@ -315,9 +326,7 @@ class StaticKVCache(_KVCache):
         window = max_seq_len if window is None else _count(window, "window", 1)
         if window > max_seq_len:
             raise ValueError(f"window {window} > max_seq_len {max_seq_len}")
-        dtype = np.dtype(dtype)
-        if not is_scatter_dtype(dtype) or dtype.kind in "USO":
-            raise TypeError(f"dtype {dtype} is not supported for a KV cache")
+        dtype = _cache_dtype(dtype)
         self.mode = mode
         self.window = window
         # np.zeros: calloc'd pages, so a large unused capacity costs no time.
