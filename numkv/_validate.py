@@ -86,10 +86,26 @@ def as_int(value, name):
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
+def as_int64(value, name):
+    """``as_int`` within int64 (what the kernels compute with)."""
+    value = as_int(value, name)
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValueError(f"{name} = {value} is outside the int64 range")
+    return value
+
+
 def as_float(value, name):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """A real number as a Python float (bools, strings and complex rejected);
+    an integer too large for a float is a ``ValueError``."""
+    if isinstance(value, (bool, np.bool_, str, bytes, complex, np.complexfloating)) \
+            or not hasattr(value, "__float__"):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} = {value} is beyond the float64 range") from None
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be a number, got {value!r}") from exc
 
 
 def normalize_axis(axis, ndim, name="axis"):

@@ -1,5 +1,8 @@
-"""What numkv takes at its boundary, and how it says no (issue 12, items 3, 7).
+"""What numkv takes at its boundary, and how it says no (issue 12, items 2, 3, 7).
 
+* extremes of scalars: window sizes up to int64's maximum mean "unbounded",
+  integers beyond int64 are a ``ValueError`` naming the argument, a softcap
+  beyond float32's range gives the float64 reference's values;
 * any array-like in: ndarray subclasses as their base arrays (or a
   ``TypeError`` naming the argument), DLPack / ``__array__`` objects (torch CPU
   tensors) viewed without copying, for both ops, ``out=`` and the caches;
@@ -22,12 +25,72 @@ import pytest
 import numkv
 import oracle
 
+INT64_MAX = 2**63 - 1
+
+
 @pytest.fixture
 def qkv(rng):
     q = rng.standard_normal((2, 4, 3, 8), dtype=np.float32)
     k = rng.standard_normal((2, 2, 6, 8), dtype=np.float32)
     v = rng.standard_normal((2, 2, 6, 8), dtype=np.float32)
     return q, k, v
+
+
+# -- extremes of scalars ------------------------------------------------------
+
+WINDOW_CASES = {
+    "right": dict(right_window_size=INT64_MAX),
+    "left": dict(left_window_size=INT64_MAX),
+    "both-causal": dict(left_window_size=INT64_MAX, right_window_size=INT64_MAX, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param({}, id="self"),
+    pytest.param(dict(nonpad_kv_seqlen=np.array([1, 6])), id="nonpad-negative-offset"),
+    pytest.param("past", id="past"),
+])
+@pytest.mark.parametrize("windows", WINDOW_CASES.values(), ids=WINDOW_CASES.keys())
+def test_int64_max_window_is_unbounded(qkv, rng, windows, extra):
+    """``pos + right`` / ``pos - left`` overflowed int64 in the kernel and
+    zeroed rows; the reference (and the spec) read such a window as covering
+    every key."""
+    q, k, v = qkv
+    if extra == "past":
+        past = rng.standard_normal((2, 2, 4, 8), dtype=np.float32)
+        extra = dict(past_key=past, past_value=past)
+    causal = dict(is_causal=True) if windows.get("is_causal") else {}
+    expected = numkv.attention(q, k, v, **extra, **causal)
+    np.testing.assert_array_equal(numkv.attention(q, k, v, **extra, **windows), expected)
+    reference = oracle.attention(q, k, v, **extra, **windows)[0]
+    np.testing.assert_allclose(expected, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["left_window_size", "right_window_size"])
+@pytest.mark.parametrize("value", [2**63, 2**64, -(2**64)])
+def test_window_beyond_int64_names_the_argument(qkv, name, value):
+    with pytest.raises(ValueError, match=f"{name} = {value}.*int64"):
+        numkv.attention(*qkv, **{name: value})
+
+
+@pytest.mark.parametrize("softcap", [1e300, 1e39, 1e-300, 1e-46])
+def test_softcap_beyond_float32_gives_the_reference(qkv, softcap):
+    """A float32 kernel holds such a softcap as inf (rows of NaN, zeroed) or
+    0 (no cap at all); the float64 reference computes the capped scores."""
+    y = numkv.attention(*qkv, softcap=softcap)
+    assert y.dtype == np.float32 and np.isfinite(y).all()
+    np.testing.assert_allclose(y, oracle.attention(*qkv, softcap=softcap)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_within_float32_stays_float32(qkv):
+    y = numkv.attention(*qkv, softcap=1e38)  # guards what worked: no float64 detour
+    np.testing.assert_allclose(y, oracle.attention(*qkv, softcap=1e38)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["softcap", "scale"])
+def test_float_attribute_beyond_float64_names_the_argument(qkv, name):
+    with pytest.raises(ValueError, match=f"{name} = 1000.*float64"):
+        numkv.attention(*qkv, **{name: 10**400})
 
 
 # -- any array-like in ----------------------------------------------------------
