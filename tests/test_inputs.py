@@ -249,7 +249,8 @@ def test_no_dtype_kind_in_numkv():
     offenders = []
     for path in sorted((pathlib.Path(numkv.__file__).parent).rglob("*.py")):
         tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
-        for prev, tok in zip(tokens, tokens[1:]):
-            if prev.string == "." and tok.type == tokenize.NAME and tok.string == "kind":
-                offenders.append(f"{path.name}:{tok.start[0]}")
+        for owner, dot, name in zip(tokens, tokens[1:], tokens[2:]):
+            # (an object's own attribute named kind, e.g. a bench case's, is no dtype's)
+            if dot.string == "." and name.string == "kind" and owner.string != "self":
+                offenders.append(f"{path.name}:{name.start[0]}")
     assert not offenders
