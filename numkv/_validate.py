@@ -120,6 +120,10 @@ def index_vector(value, name, length, upper=None, upper_label=""):
     """An integer vector of shape ``(length,)`` as int64 (a copy: later checks
     and kernels never see the caller's array change under them); with
     ``upper``, every entry must lie in ``[0, upper]``."""
+    if isinstance(value, (list, tuple)):  # Python ints beyond int64 would become object or float
+        for i, v in enumerate(value):
+            if type(v) is int and not -INT64_MAX - 1 <= v <= INT64_MAX:
+                raise ValueError(f"{name}[{i}] = {v} is outside the int64 range")
     arr = as_array(value, name)
     if arr.size == 0 and arr.ndim == 1 and length == 0:
         return np.zeros(0, np.int64)  # batch 0: np.asarray([]) is float64

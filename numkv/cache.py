@@ -26,12 +26,12 @@ import numpy as np
 
 from ._dtypes import is_cache_dtype
 from ._scatter import MODES, tensor_scatter
-from ._validate import as_array, as_int, index_vector
+from ._validate import as_array, as_int64, index_vector
 
 
 def _count(value, name, minimum):
-    """A plain integer argument ``>= minimum`` (bools rejected)."""
-    value = as_int(value, name)
+    """A plain integer argument ``>= minimum`` (bools rejected, int64 at most)."""
+    value = as_int64(value, name)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -180,7 +180,7 @@ class _KVCache:
         return f"{name}({', '.join(fields)}, seq_lens={lens})"
 
     def _crop_lengths(self, n):
-        n = as_int(n, "n")
+        n = as_int64(n, "n")
         if n >= 0:
             return np.minimum(self._lens, n)
         return np.maximum(self._lens + n, 0)
@@ -330,8 +330,14 @@ class StaticKVCache(_KVCache):
         self.mode = mode
         self.window = window
         # np.zeros: calloc'd pages, so a large unused capacity costs no time.
-        self._k = np.zeros((batch_size, num_heads, max_seq_len, head_dim), dtype)
-        self._v = np.zeros((batch_size, num_heads, max_seq_len, v_head_dim), dtype)
+        shape = (batch_size, num_heads, max_seq_len)
+        try:
+            self._k = np.zeros(shape + (head_dim,), dtype)
+            self._v = np.zeros(shape + (v_head_dim,), dtype)
+        except ValueError as exc:  # numpy's "array is too big": say which arguments made it
+            raise ValueError(f"batch_size {batch_size} x num_heads {num_heads} x max_seq_len "
+                             f"{max_seq_len} x head_dim {max(head_dim, v_head_dim)} is too big "
+                             f"for one array ({exc})") from None
         self.reset()
 
     @property

@@ -73,6 +73,36 @@ def test_window_beyond_int64_names_the_argument(qkv, name, value):
         numkv.attention(*qkv, **{name: value})
 
 
+def _big_int_calls():
+    cache, update = np.zeros((2, 3, 8, 4), np.float32), np.ones((2, 3, 1, 4), np.float32)
+    q = np.ones((2, 2, 3, 4), np.float32)
+    dynamic = numkv.DynamicKVCache()
+    dynamic.append(update[:1], update[:1])
+    return {
+        "write_indices": lambda: numkv.tensor_scatter(cache, update, [2**64, 0]),
+        "write_indices-circular": lambda: numkv.tensor_scatter(cache, update, [0, -(2**63) - 1],
+                                                               mode="circular"),
+        "nonpad_kv_seqlen": lambda: numkv.attention(q, q, q, nonpad_kv_seqlen=[2**63, 1]),
+        "max_seq_len": lambda: numkv.StaticKVCache(1, 1, 2**64, 1),
+        "n": lambda: dynamic.crop(-(2**64)),
+        "lengths": lambda: dynamic.append(update[:1], update[:1], lengths=[2**64]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_big_int_calls()))
+def test_integers_beyond_int64_name_the_argument(name):
+    """Lists of Python ints beyond int64 became object or float arrays (a
+    TypeError about the dtype), cache sizes a numpy error, crop an OverflowError."""
+    argument = name.split("-")[0]
+    with pytest.raises(ValueError, match=rf"{argument}(\[\d\])? = -?\d+ is outside the int64 range"):
+        _big_int_calls()[name]()
+
+
+def test_absurd_cache_size_names_the_arguments():
+    with pytest.raises(ValueError, match="max_seq_len 4611686018427387904 .* is too big"):
+        numkv.StaticKVCache(1, 1, 2**62, 1)
+
+
 @pytest.mark.parametrize("softcap", [1e300, 1e39, 1e-300, 1e-46])
 def test_softcap_beyond_float32_gives_the_reference(qkv, softcap):
     """A float32 kernel holds such a softcap as inf (rows of NaN, zeroed) or
