@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _config, _threads
-from ._dtypes import (ATTENTION_DTYPES, e8m0_table, FLOAT8_TYPES, byte_operand, flat_view,
-                      kernel_dtype_codes)
-from ._validate import as_array, as_float, as_int, index_vector
+from ._dtypes import (byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
+                      is_mask_dtype, kernel_dtype_codes)
+from ._validate import as_array, as_float, as_int, as_int64, index_vector
 
 # ONNX TensorProto codes: FLOAT, FLOAT16, DOUBLE, BFLOAT16.  DOUBLE makes the
 # kernel accumulate in float64; the others are met by float32 accumulation.
@@ -256,8 +256,8 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
     total = past_len + skv
 
     is_causal = _flag(is_causal, "is_causal")
-    left = _window(left_window_size, "left_window_size")
-    right = _window(right_window_size, "right_window_size")
+    left = _window(left_window_size, "left_window_size", total + sq)
+    right = _window(right_window_size, "right_window_size", total + sq)
     softcap = as_float(softcap, "softcap")
     if not math.isfinite(softcap):
         raise ValueError(f"softcap must be finite, got {softcap}")
@@ -282,23 +282,42 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
         offset = np.full(b, past_len, np.int64)
         valid = np.full(b, total, np.int64)
 
-    acc_dtype = np.dtype(np.float64 if Q.dtype == np.float64 or softmax_precision == 11
-                         else np.float32)
+    acc_dtype = _accumulation_dtype(Q.dtype, softmax_precision, softcap)
     mask = None
     if attn_mask is not None:
         mask, mask_len = _mask_view(attn_mask, (b, hq, sq, total), acc_dtype)
         np.minimum(valid, mask_len, out=valid)  # keys past the mask's end are -inf
 
-    out_dtype = np.dtype(np.float32) if Q.dtype in FLOAT8_TYPES else Q.dtype
+    out_dtype = np.dtype(np.float32) if is_float8_dtype(Q.dtype) else Q.dtype
     return AttentionCall(q, k, v, past_k, past_v, mask, offset, valid, scale, softcap,
                          is_causal, left, right, acc_dtype, out_dtype, three_d)
+
+
+def _accumulation_dtype(q_dtype, softmax_precision, softcap):
+    """float32, or float64 for float64 Q, ``softmax_precision`` DOUBLE, or a
+    ``softcap`` that float32 cannot hold: the kernel computes
+    ``softcap * tanh(x / softcap)`` in the accumulation dtype, where a softcap
+    above float32's max (or below its smallest subnormal) would become inf (or
+    0) and the row NaN (or uncapped).  The reference in float64 gives the
+    capped scores (``x`` itself, to rounding, for a huge softcap), and so does
+    a float64 kernel; such calls are rare enough that its cost does not matter."""
+    if q_dtype == np.float64 or softmax_precision == 11:
+        return np.dtype(np.float64)
+    if softcap > 0 and not _F32_TINY <= softcap <= _F32_MAX:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+# Half the smallest float32 subnormal rounds to 0; just above it, to the subnormal.
+_F32_TINY = float(np.finfo(np.float32).smallest_subnormal) / 2 * (1 + 2 ** -52)
 
 
 def _float_input(x, name):
     if x is None:
         raise TypeError(f"{name} is required")
     x = as_array(x, name)
-    if x.dtype not in ATTENTION_DTYPES:
+    if not is_attention_dtype(x.dtype):
         raise TypeError(
             f"{name} has dtype {x.dtype}; Attention takes float16, bfloat16, float32, float64 "
             f"or an ml_dtypes float8 type")
@@ -359,19 +378,25 @@ def _flag(value, name):
     return bool(value)
 
 
-def _window(value, name):
-    value = as_int(value, name)
+def _window(value, name, unbounded):
+    """A window size; one of ``unbounded`` (``total_sequence_length +
+    q_sequence_length``) or more excludes no key, so it becomes -1: a query
+    sits at ``offset + i`` in ``[-Sq, T + Sq)`` and keys in ``[0, T)``, so
+    ``pos +- window`` could otherwise overflow int64 in the kernel."""
+    value = as_int64(value, name)
     if value < -1:
         raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {value}")
-    return value
+    return -1 if value >= unbounded else value
 
 
 def _mask_view(attn_mask, target, acc_dtype):
     """The mask as an additive ``acc_dtype`` broadcast view of shape
     ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
     mask = as_array(attn_mask, "attn_mask")
-    if mask.dtype.kind not in "biuf" and mask.dtype.name != "bfloat16":
-        raise TypeError(f"attn_mask must be bool or numeric, got dtype {mask.dtype}")
+    if not is_mask_dtype(mask.dtype):
+        raise TypeError(
+            f"attn_mask has dtype {mask.dtype}; it must be bool, an integer, or a float type "
+            f"Attention takes (float16, bfloat16, float32, float64, float8)")
     if not 1 <= mask.ndim <= 4:
         raise ValueError(f"attn_mask must have rank 1 to 4, got rank {mask.ndim}")
     b, hq, sq, total = target

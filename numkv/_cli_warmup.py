@@ -24,6 +24,7 @@ import numpy as np
 
 import numkv
 from numkv._compile_notice import CompileWatch
+from numkv._dtypes import is_object_dtype
 
 FLOAT8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 
@@ -59,7 +60,7 @@ def _scatter_group():
             numkv.tensor_scatter(seq_first, update.transpose(0, 2, 1, 3), starts, axis=1, out=seq_first)
             strided = seq_first.transpose(0, 2, 1, 3)
             numkv.tensor_scatter(strided, update, starts, out=strided)
-        if dtype.kind != "O":  # a view one byte off alignment: elements read byte by byte
+        if not is_object_dtype(dtype):  # a view one byte off alignment: elements read byte by byte
             raw = np.zeros(cache.nbytes + 1, np.uint8)[1:].view(dtype).reshape(cache.shape)
             numkv.tensor_scatter(raw, update, starts, out=raw)
 

@@ -39,17 +39,67 @@ SCATTER_DTYPES = frozenset(
     + [BFLOAT16, *FLOAT8_TYPES]
     + [np.dtype(ml_dtypes.float4_e2m1fn), np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)]
 )
-# Variable-width string kinds: str ('U'), bytes ('S') and Python objects ('O').
-STRING_KINDS = frozenset("USO")
+# Variable-width strings (str 'U', bytes 'S') and Python objects: scalar types,
+# which every width and byte order of them shares.
+STRING_TYPES = frozenset([np.str_, np.bytes_, np.object_])
+# Every integer scalar type, by identity: numpy's C-named types (``longlong``
+# is not ``int64`` as a type object on Linux, though equal as a dtype).
+INTEGER_TYPES = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
+_UINT64_TYPES = frozenset(t for t in INTEGER_TYPES if np.dtype(t) == np.uint64)
+# Fixed-width scalar types of SCATTER_DTYPES: '>f4' is as welcome as '<f4' to a bit copy.
+_SCATTER_TYPES = frozenset(d.type for d in SCATTER_DTYPES) | {np.longlong, np.ulonglong}
 
 # dtype objects, not type objects: ``view(np.dtype)`` skips a lookup (0.7 -> 0.35 us).
 _UNSIGNED = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
 
 
+# The predicates every dtype decision in numkv goes through (never
+# ``dtype.kind``: see the module docstring).
+
 def is_scatter_dtype(dtype):
-    # Byte order does not matter to a bit copy: '>f4' is as welcome as '<f4'.
-    return dtype in SCATTER_DTYPES or dtype.kind in STRING_KINDS or (
-        not dtype.isnative and dtype.newbyteorder("=") in SCATTER_DTYPES)
+    """TensorScatter's T: every fixed-width type of SCATTER_DTYPES, any byte
+    order, and strings / objects (a structured or subarray dtype is not)."""
+    return (dtype.type in _SCATTER_TYPES and dtype.fields is None and dtype.subdtype is None) \
+        or dtype.type in STRING_TYPES
+
+
+def is_string_dtype(dtype):
+    """str, bytes or object: moved by NumPy, never by a kernel."""
+    return dtype.type in STRING_TYPES
+
+
+def is_object_dtype(dtype):
+    return dtype.type is np.object_
+
+
+def is_cache_dtype(dtype):
+    """What a KV cache may hold: a fixed-width TensorScatter type."""
+    return is_scatter_dtype(dtype) and not is_string_dtype(dtype)
+
+
+def is_integer_dtype(dtype):
+    """numpy's signed and unsigned integers, any width and byte order (not
+    bool, not ml_dtypes' int4 / uint4)."""
+    return dtype.type in INTEGER_TYPES
+
+
+def is_uint64_dtype(dtype):
+    return dtype.type in _UINT64_TYPES
+
+
+def is_attention_dtype(dtype):
+    """Attention's Q / K / V (native byte order: the kernel reads the bits)."""
+    return dtype in ATTENTION_DTYPES
+
+
+def is_float8_dtype(dtype):
+    return dtype in FLOAT8_TYPES
+
+
+def is_mask_dtype(dtype):
+    """An ``attn_mask``: bool, or additive in any integer (ONNX's U) or any
+    float Attention takes (float8 too: they widen to float32 exactly)."""
+    return dtype == np.bool_ or is_integer_dtype(dtype) or dtype in ATTENTION_DTYPES
 
 
 # Scalar type -> the unit numpy's ``aligned`` flag proves an array of it tiles

@@ -9,8 +9,8 @@ tests can force with ``_config.REFERENCE``.
 import numpy as np
 
 from . import _config, _threads
-from ._dtypes import ALIGNED_UNITS, flat_units, is_scatter_dtype, unit_size
-from ._validate import as_array, as_int, index_vector, normalize_axis, output_array
+from ._dtypes import ALIGNED_UNITS, flat_units, is_object_dtype, is_scatter_dtype, unit_size
+from ._validate import as_array, as_int, as_output, index_vector, normalize_axis, output_array
 
 MODES = ("linear", "circular")
 _IS_CIRCULAR = {mode: mode == "circular" for mode in MODES}
@@ -66,8 +66,12 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     # A decode loop repeats one layout, and a 1-token append is pure call
     # overhead: everything that depends only on dtypes, shapes and strides is
     # checked and planned once per layout (``_layouts``), the rest is inlined.
+    # ``out`` is returned as given (a matrix, a torch tensor); the work is done
+    # on plain ndarray views of everything.
+    result = out
+    in_place = out is past_cache
     if type(past_cache) is not np.ndarray:
-        past_cache = as_array(past_cache, "past_cache")
+        past_cache = as_output(past_cache, "past_cache") if in_place else as_array(past_cache, "past_cache")
     if type(update) is not np.ndarray:
         update = as_array(update, "update")
     if type(axis) is not int:
@@ -76,15 +80,18 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     if circular is None:
         raise ValueError(f"mode must be 'linear' or 'circular', got {mode!r}")
 
-    in_place = out is past_cache
     if out is None:
-        out = np.empty(past_cache.shape, past_cache.dtype)
-    elif not in_place:
+        out = result = np.empty(past_cache.shape, past_cache.dtype)
+    elif in_place:
+        out = past_cache
+        if not out.flags.writeable:
+            raise ValueError("out (= past_cache) is read-only")
+    else:
+        if type(out) is not np.ndarray:
+            out = as_output(out)
         output_array(out, past_cache.shape, past_cache.dtype)
         if np.may_share_memory(out, past_cache):
             past_cache = past_cache.copy()
-    elif not out.flags.writeable:
-        raise ValueError("out (= past_cache) is read-only")
     src = out if in_place else past_cache  # in place the kernel never reads src
     # Arrays that both own their memory cannot overlap (spares a bounds check).
     if update is out or (not (update.base is None and out.base is None)
@@ -116,7 +123,8 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
 
     if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
         positions = _write_positions(values, seq_len, max_seq, circular)
-        return scatter_reference(past_cache, update, positions, ax, out, in_place)
+        scatter_reference(past_cache, update, positions, ax, out, in_place)
+        return result
 
     dst = flat_units(out, unit, out_flags)
     kernels = _kernels or _scatter_kernels()
@@ -124,7 +132,7 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
             plan, starts, circular)
     # Small copies stay on the calling thread (cheaper than handing out shares).
     _threads.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
-    return out
+    return result
 
 
 _layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written, work items); a few per cache in use
@@ -136,7 +144,7 @@ def _new_layout(key):
     ax = _check_layout(shape, update_shape, dtype, dtype, axis)
     max_seq, seq_len = shape[ax], update_shape[ax]
     plan, n_bytes, n_items = None, 0, 0
-    if dtype.kind != "O" and 0 not in shape:  # else NumPy's slices (or nothing) do it
+    if not is_object_dtype(dtype) and 0 not in shape:  # else NumPy's slices (or nothing) do it
         plan, n_bytes, n_items = _make_plan(ax, unit, dtype.itemsize, in_place, shape, update_shape, strides)
     if len(_layouts) >= 1024:
         _layouts.clear()

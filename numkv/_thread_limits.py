@@ -1,23 +1,60 @@
-"""How many threads numkv's kernels use (placeholder: the process default)."""
+"""How many threads numkv's kernels use: ``numkv.set_num_threads`` / ``get_num_threads``.
+
+One count, process-wide: ``numkv._threads`` reads it on every call (``current``).
+The default is ``NUMBA_NUM_THREADS`` when set, else ``OMP_NUM_THREADS`` when
+set (what Dask, joblib and batch schedulers set in their workers: numba
+ignores it), else the CPUs this process may run on.  It is read when numkv is
+imported, as OpenMP and BLAS runtimes read theirs when they load: a Dask
+``LocalCluster`` sets ``OMP_NUM_THREADS=1`` in the client's own process too
+(measured, distributed 2026.8), which must not throttle the numkv already
+running there.  ``threadpoolctl.threadpool_limits`` sets the count through
+``_threadpool``.  numkv's threads are its own (``numkv._threads``), so no
+other library's thread count (numba's, OpenMP's, torch's) is ever changed.
+"""
 
 import os
 
+from ._validate import as_int
+
+
+def _env_threads(name):
+    """A thread count from the environment, or None (``OMP_NUM_THREADS`` may
+    list one per nesting level: the first is the outer one)."""
+    value = os.environ.get(name, "").split(",")[0].strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
+
 
 def _default():
-    for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "").split(",")[0].strip()
-        if value.isdigit() and int(value) >= 1:
-            return int(value)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return _env_threads("NUMBA_NUM_THREADS") or _env_threads("OMP_NUM_THREADS") or max(1, cores)
 
 
-_threads = _default()
+_DEFAULT = _default()
+_threads = _DEFAULT
 
 
-def current():
+def set_num_threads(n):
+    """Set the number of threads numkv's kernels use, process-wide; ``None``
+    restores the default (``NUMBA_NUM_THREADS``, else ``OMP_NUM_THREADS``, else
+    every core the process may use, as read at ``import numkv``)."""
+    global _threads
+    if n is None:
+        _threads = _DEFAULT
+        return
+    n = as_int(n, "n")
+    if n < 1:
+        raise ValueError(f"n must be >= 1 (or None for the default), got {n}")
+    _threads = n
+
+
+def get_num_threads():
+    """The number of threads numkv's kernels use (see ``set_num_threads``)."""
     return _threads
 
 
-def set_current(n):
-    global _threads
-    _threads = _default() if n is None else n
+# The names numkv._threads, numkv._config and the tests use.
+current = get_num_threads
+set_current = set_num_threads

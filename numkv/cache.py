@@ -24,27 +24,37 @@ before anything is written, so a failed ``append`` leaves the cache unchanged.
 
 import numpy as np
 
-from ._dtypes import is_scatter_dtype
+from ._dtypes import is_cache_dtype
 from ._scatter import MODES, tensor_scatter
-from ._validate import as_int, index_vector
+from ._validate import as_array, as_int64, index_vector
 
 
 def _count(value, name, minimum):
-    """A plain integer argument ``>= minimum`` (bools rejected)."""
-    value = as_int(value, name)
+    """A plain integer argument ``>= minimum`` (bools rejected, int64 at most)."""
+    value = as_int64(value, name)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
 def _as_kv(array, name):
-    # No np.asarray of lists: a list of Python floats would become float64,
-    # a cast the caller did not ask for.
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    # Arrays only (subclasses, torch tensors...), no lists: a list of Python
+    # floats would become float64, a cast the caller did not ask for.
+    array = as_array(array, name, sequences=False)
     if array.ndim != 4:
         raise ValueError(f"{name} must have rank 4 (batch, heads, new_seq, head_dim), got shape {array.shape}")
     return array
+
+
+def _cache_dtype(dtype):
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype {dtype!r} is not a NumPy dtype ({exc})") from None
+    if not is_cache_dtype(dtype):
+        raise TypeError(f"dtype {dtype} is not supported for a KV cache "
+                        f"(a fixed-width TensorScatter type)")
+    return dtype
 
 
 class _KVCache:
@@ -170,7 +180,7 @@ class _KVCache:
         return f"{name}({', '.join(fields)}, seq_lens={lens})"
 
     def _crop_lengths(self, n):
-        n = as_int(n, "n")
+        n = as_int64(n, "n")
         if n >= 0:
             return np.minimum(self._lens, n)
         return np.maximum(self._lens + n, 0)
@@ -225,8 +235,9 @@ class DynamicKVCache(_KVCache):
         if self._k is None:
             # The first append fixes the shapes and dtype the others must match.
             key, value = _as_kv(key, "key"), _as_kv(value, "value")
-            if not is_scatter_dtype(key.dtype) or key.dtype.kind in "USO":
-                raise TypeError(f"key dtype {key.dtype} is not supported for a KV cache")
+            if not is_cache_dtype(key.dtype):
+                raise TypeError(f"key has dtype {key.dtype}, which a KV cache cannot hold "
+                                f"(a fixed-width TensorScatter type)")
             batch, heads, _, head_dim = key.shape
             v_head_dim, dtype = value.shape[3], key.dtype
             start = np.zeros(batch, np.int64)
@@ -315,14 +326,18 @@ class StaticKVCache(_KVCache):
         window = max_seq_len if window is None else _count(window, "window", 1)
         if window > max_seq_len:
             raise ValueError(f"window {window} > max_seq_len {max_seq_len}")
-        dtype = np.dtype(dtype)
-        if not is_scatter_dtype(dtype) or dtype.kind in "USO":
-            raise TypeError(f"dtype {dtype} is not supported for a KV cache")
+        dtype = _cache_dtype(dtype)
         self.mode = mode
         self.window = window
         # np.zeros: calloc'd pages, so a large unused capacity costs no time.
-        self._k = np.zeros((batch_size, num_heads, max_seq_len, head_dim), dtype)
-        self._v = np.zeros((batch_size, num_heads, max_seq_len, v_head_dim), dtype)
+        shape = (batch_size, num_heads, max_seq_len)
+        try:
+            self._k = np.zeros(shape + (head_dim,), dtype)
+            self._v = np.zeros(shape + (v_head_dim,), dtype)
+        except ValueError as exc:  # numpy's "array is too big": say which arguments made it
+            raise ValueError(f"batch_size {batch_size} x num_heads {num_heads} x max_seq_len "
+                             f"{max_seq_len} x head_dim {max(head_dim, v_head_dim)} is too big "
+                             f"for one array ({exc})") from None
         self.reset()
 
     @property

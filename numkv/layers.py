@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from ._validate import index_vector
+from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
+from ._validate import as_array, index_vector
 from .cache import DynamicKVCache, StaticKVCache
 
 
@@ -38,7 +39,7 @@ def _quantise(x, dtype):
     casts turn out-of-range values into NaN rather than the largest finite."""
     if x.dtype == dtype:
         return x
-    if dtype.itemsize == 1 and dtype.kind in "fV":
+    if is_float8_dtype(dtype):
         import ml_dtypes
 
         top = float(ml_dtypes.finfo(dtype).max)
@@ -134,7 +135,7 @@ class CachedSelfAttention:
         return x.reshape(b, s, heads, self.head_dim).transpose(0, 2, 1, 3)
 
     def __call__(self, x, cache=None, use_cache=False, *, lengths=None, window=None):
-        x = np.asarray(x)
+        x = as_array(x, "x")
         if x.ndim != 3 or x.shape[2] != self.embed_dim:
             raise ValueError(f"x must have shape (batch, seq, {self.embed_dim}), got {x.shape}")
         if use_cache and cache is None:
@@ -173,6 +174,10 @@ class CachedSelfAttention:
         elif window is not None:
             extra["left_window_size"] = window - 1
         dtype = cache.dtype if cache.dtype is not None else k.dtype
+        if not is_attention_dtype(dtype):  # checked before the cache is written
+            raise TypeError(
+                f"cache has dtype {dtype}; the layer attends its keys and values, so it must hold "
+                f"a float type Attention takes (float16, bfloat16, float32, float64, float8)")
         k, v = _quantise(k, dtype), _quantise(v, dtype)
         new = q.shape[2]
         step = cache.max_chunk or new
@@ -292,7 +297,7 @@ class Decoder:
 
     def __call__(self, tokens, caches=None, *, lengths=None, window=None):
         tokens = np.asarray(tokens)
-        if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+        if tokens.ndim != 2 or not is_integer_dtype(tokens.dtype):
             raise ValueError(f"tokens must be a 2-D integer array (batch, seq), got {tokens.dtype} {tokens.shape}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"tokens must lie in [0, {self.vocab_size})")

@@ -564,7 +564,7 @@ BAD = [
     ("out-dtype", dict(out=np.zeros((4, 3, 10, 2), np.float64)), TypeError,
      "out has dtype float64, expected float32"),
     ("out-list", dict(out=np.zeros((4, 3, 10, 2), np.float32).tolist()), TypeError,
-     "out must be a numpy.ndarray, got list"),
+     "out must be a numpy.ndarray or an object with __dlpack__ (written in place), got list"),
     ("out-read-only", dict(out=np.broadcast_to(np.float32(0), (4, 3, 10, 2))), ValueError, "out is read-only"),
     ("out-is-read-only-cache", dict(read_only=True), ValueError, "out (= past_cache) is read-only"),
 ]

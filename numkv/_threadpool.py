@@ -1,0 +1,35 @@
+"""numkv as a thread pool that ``threadpoolctl`` sees and limits.
+
+``threadpool_limits(limits=1)`` (Dask, joblib, scikit-learn use it) caps every
+pool threadpoolctl knows; registering a controller (threadpoolctl >= 3.5)
+puts numkv among them.  threadpoolctl finds pools through the shared libraries
+loaded in the process, and numkv, pure Python, has none of its own: its
+controller is tied to ml_dtypes' extension, which ``import numkv`` always
+loads (so ``threadpool_info()`` lists numkv with that file as its
+``filepath``).  Imported by ``numkv/__init__.py`` only when threadpoolctl is
+installed: it costs ``import numkv`` 3-7 ms (measured; numkv never requires it).
+"""
+
+import threadpoolctl
+
+from . import __version__, _thread_limits
+
+
+class NumkvController(threadpoolctl.LibController):
+    """numkv's process-wide thread count (``numkv.set_num_threads``)."""
+
+    user_api = "numkv"
+    internal_api = "numkv"
+    filename_prefixes = ("_ml_dtypes_ext",)
+
+    def get_num_threads(self):
+        return _thread_limits.get_num_threads()
+
+    def set_num_threads(self, num_threads):
+        _thread_limits.set_num_threads(num_threads)
+
+    def get_version(self):
+        return __version__
+
+
+threadpoolctl.register(NumkvController)

@@ -1,0 +1,277 @@
+"""numkv inside other people's programs (issue 12, items 4-6): thread limits,
+Python threads, fork, spawn, threadpoolctl, torch's OpenMP, Dask.
+
+In-process tests watch numkv's pool (``numkv._threads.run``) run a probe in
+place of a kernel: how many threads took a share.  The subprocess tests set
+numba's threading layer (``NUMBA_THREADING_LAYER``) to the one that failed
+before numkv had its own pool (GNU OpenMP: a forked child killed, a fork Pool
+hung; workqueue: concurrent Python threads aborted the process), so that
+numkv stays clear of them; kernels come from the suite's numba disk cache
+(``NUMBA_CACHE_DIR`` is inherited).  Each subprocess test, and the thread
+limit tests, failed on main before these items (5f22775).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import numkv
+from numkv import _thread_limits, _threads
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # this checkout's numkv
+
+
+def run_script(script, timeout=240, **env):
+    """Run ``script`` in a fresh Python with this checkout's numkv; its stdout."""
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), NUMKV_REFERENCE="0", **env)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture
+def default_threads():
+    """Leaves numkv's process-wide setting as the suite found it."""
+    yield
+    numkv.set_num_threads(None)
+
+
+def threads_used(n_items=64, small=False):
+    """How many threads ran a share of ``n_items`` work items."""
+    seen, lock = set(), threading.Lock()
+
+    def probe(first, stop):
+        with lock:
+            seen.add(threading.get_ident())
+
+    _threads.run(probe, n_items, (), small)
+    return len(seen)
+
+
+# -- the thread count ---------------------------------------------------------
+
+def test_set_and_get_num_threads(default_threads):
+    numkv.set_num_threads(1)
+    assert numkv.get_num_threads() == 1 and threads_used() == 1
+    numkv.set_num_threads(3)
+    assert numkv.get_num_threads() == 3 and threads_used() == 3
+    assert threads_used(small=True) == 1 and threads_used(n_items=2) == 2
+    numkv.set_num_threads(None)
+    assert numkv.get_num_threads() == _thread_limits._DEFAULT
+    for bad, exc in ((0, ValueError), (-2, ValueError), (1.5, TypeError), ("2", TypeError),
+                     (True, TypeError)):
+        with pytest.raises(exc, match="n must be"):
+            numkv.set_num_threads(bad)
+    assert numkv.get_num_threads() == _thread_limits._DEFAULT  # a bad call changes nothing
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, 1),
+    ({"OMP_NUM_THREADS": "1"}, 1),
+    ({"OMP_NUM_THREADS": "1,4"}, 1),  # one count per nesting level: the outer one
+    ({"OMP_NUM_THREADS": "nonsense"}, None),
+    ({"OMP_NUM_THREADS": "0"}, None),
+    ({}, None),
+], ids=["numba-first", "omp", "omp-nested-list", "omp-invalid", "omp-zero", "none"])
+def test_default_from_the_environment(monkeypatch, default_threads, env, expected):
+    """Dask and joblib limit their workers through OMP_NUM_THREADS, which
+    numba ignores; numkv reads it (NUMBA_NUM_THREADS first) at import."""
+    for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(_thread_limits, "_DEFAULT", _thread_limits._default())  # as at import
+    numkv.set_num_threads(None)
+    assert numkv.get_num_threads() == (expected or len(os.sched_getaffinity(0)))
+
+
+def test_count_is_process_wide(default_threads):
+    numkv.set_num_threads(2)
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append((numkv.get_num_threads(), threads_used())))
+    worker.start()
+    worker.join()
+    assert seen == [(2, 2)]
+
+
+def test_threadpoolctl_limits_numkv(default_threads):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    info = [lib for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "numkv"]
+    assert len(info) == 1 and info[0]["version"] == numkv.__version__
+    numkv.set_num_threads(2)
+    with threadpoolctl.threadpool_limits(limits=1):
+        assert numkv.get_num_threads() == 1 and threads_used() == 1
+    assert numkv.get_num_threads() == 2 and threads_used() == 2
+    with threadpoolctl.threadpool_limits(limits={"numkv": 1}):
+        assert numkv.get_num_threads() == 1
+
+
+def test_import_numkv_stays_light():
+    """``import numkv`` (with threadpoolctl's controller registered) imports
+    neither numba nor onnx."""
+    out = run_script("""
+        import sys, time
+        t = time.perf_counter(); import numkv; took = time.perf_counter() - t
+        assert not [m for m in sys.modules if m.split('.')[0] in ('numba', 'onnx')]
+        print(took)
+    """)
+    assert float(out) < 2.0  # ~0.1 s quiet; generous for a loaded machine
+
+
+# -- Python threads -------------------------------------------------------------
+
+CALLS = """
+import numpy as np, numkv
+
+def inputs(seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, 8, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
+    return q, k, rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
+
+def calls(seed, n):
+    \"\"\"n mixed calls: attention and an in-place scatter big enough for
+    several threads, a cache append; returns a digest of every result.\"\"\"
+    q, k, v = inputs(seed)
+    cache = np.zeros((2, 4, 4096, 64), np.float32)
+    update = np.resize(k, (2, 4, 2048, 64))  # 4 MiB: at PARALLEL_MIN_BYTES
+    kv = numkv.StaticKVCache(1, 4, n + 1, 64)
+    out = []
+    for i in range(n):
+        y = numkv.attention(q, k, v, nonpad_kv_seqlen=np.array([600 - i % 7]))
+        numkv.tensor_scatter(cache, update, np.array([i % 2000, 7]), out=cache)
+        keys, _ = kv.append(k[:, :, i % 600][:, :, None], v[:, :, i % 600][:, :, None])
+        out.append(float(y.sum()) + float(cache.sum()) + float(keys[..., -1, :].sum()))
+    return out
+"""
+
+
+def test_python_threads_in_process(default_threads):
+    """Under whatever layer this process has: four threads at once give what
+    one thread gives."""
+    namespace = {}
+    exec(CALLS, namespace)
+    numkv.set_num_threads(None)
+    expected = [namespace["calls"](seed, 3) for seed in range(4)]
+    results = [None] * 4
+
+    def work(seed):
+        results[seed] = namespace["calls"](seed, 3)
+
+    workers = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert results == expected
+
+
+def test_python_threads_under_workqueue():
+    """numba's workqueue layer aborted the process (SIGABRT) when two Python
+    threads were in numkv's parallel kernels at once."""
+    out = run_script(CALLS + """
+import threading, numba
+expected = [calls(seed, 4) for seed in range(4)]
+results = [None] * 4
+def work(seed):
+    results[seed] = calls(seed, 4)
+workers = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+for w in workers: w.start()
+for w in workers: w.join()
+assert results == expected, 'threads differ from one thread'
+print("ok")
+""", NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    assert out.split() == ["ok"]
+
+
+# -- fork, spawn and OpenMP neighbours -------------------------------------------
+
+FORK = CALLS + """
+import ctypes, multiprocessing as mp, os
+
+def digest(seed):
+    return calls(seed, 2)
+
+if __name__ == "__main__":  # (spawned children import this file: only what is above)
+    ctypes.CDLL("libgomp.so.1")  # the runtime numba's OpenMP layer links, loaded first ...
+    import torch                 # ... so torch shares it
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1  # (torch in use before numkv: its count is settled)
+    numkv.set_num_threads(2)
+    expected = digest(0)  # numba's OpenMP layer started here before numkv had its own pool
+    assert torch.get_num_threads() == 1, f"torch's count changed to {torch.get_num_threads()}"
+    pid = os.fork()
+    if pid == 0:  # a forked child used to be killed here (SIGTERM from numba)
+        os._exit(0 if digest(0) == expected else 3)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "forked child"
+    for method in ("fork", "spawn"):
+        with mp.get_context(method).Pool(2) as pool:  # a fork Pool used to hang
+            assert pool.map_async(digest, [0, 0]).get(timeout=120) == [expected] * 2, method
+    print("ok")
+"""
+
+
+def test_fork_and_pools_after_gnu_openmp(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "fork_script.py"  # spawn re-imports __main__ from a file
+    script.write_text(FORK)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NUMKV_REFERENCE="0", NUMBA_THREADING_LAYER="omp",
+               NUMBA_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr
+
+
+# -- Dask -----------------------------------------------------------------------------
+
+def _in_worker(seed):
+    """In a Dask worker: its OMP_NUM_THREADS, numkv's count, how many threads
+    an attention call ran on, and Y."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, 8, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
+    used, run = set(), _threads.run
+
+    def spy(kernel, n_items, args, small=False):
+        def counted(first, stop, *a):
+            used.add(threading.get_ident())
+            return kernel(first, stop, *a)
+        return run(counted, n_items, args, small)
+
+    _threads.run = spy
+    try:
+        y = numkv.attention(q, k, k)
+    finally:
+        _threads.run = run
+    return os.environ.get("OMP_NUM_THREADS"), numkv.get_num_threads(), len(used), y
+
+
+def test_dask_workers_take_the_worker_thread_limit():
+    """Dask limits each worker through OMP_NUM_THREADS=1; numkv used every core
+    in each worker all the same."""
+    distributed = pytest.importorskip("distributed")
+    environ = dict(os.environ)  # LocalCluster sets OMP_NUM_THREADS=1 & co. here too
+    numkv.set_num_threads(None)
+    before = numkv.get_num_threads()
+    try:
+        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                      dashboard_address=None) as cluster, \
+                distributed.Client(cluster) as client:
+            results = client.gather(client.map(_in_worker, [0, 1, 0], pure=False))
+            assert os.environ.get("OMP_NUM_THREADS") == "1"
+            numkv.set_num_threads(None)
+            assert numkv.get_num_threads() == before  # the client's default was read at import
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    for seed, (omp, threads, used, y) in zip([0, 1, 0], results):
+        assert (omp, threads, used) == ("1", 1, 1)
+        *_, expected = _in_worker(seed)
+        np.testing.assert_array_equal(y, expected)
