@@ -30,7 +30,7 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # core busy: ``TARGET_ITEMS`` items (>= 4 per thread up to 64 threads), chunks
 # of at least ``MIN_CHUNK`` keys; the chunk length depends on the shapes
 # only, so results do not depend on the thread count.
-ROWS_PER_TILE = 64
+ROWS_PER_TILE = 128
 BLAS_MIN_ROWS = 16
 GEMM_MNK_LIMIT = 1 << 18
 BLAS_BLOCK_K = 64

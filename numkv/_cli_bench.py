@@ -77,14 +77,24 @@ def add_parser(subparsers):
 
 # -- timing -------------------------------------------------------------------
 
-def measure(fns, repeats, min_sample=0.02, budget=10.0, min_samples=3, warm_up=True):
+SETTLE = 0.15  # seconds of pause before a sample of another implementation
+
+
+def measure(fns, repeats, min_sample=0.02, budget=10.0, min_samples=3, warm_up=True, settle=None):
     """Median seconds per call of each of ``fns``, over ``repeats`` samples each;
     a sample runs its ``fn`` enough times to last ``min_sample`` seconds, and a
     slow ``fn`` (one call longer than ``budget / repeats``) gets fewer samples,
     at least ``min_samples``.  The samples are taken in turn, one of each ``fn``
     per round, so a slow spell of a shared machine falls on every implementation
     alike.  ``warm_up``: make each ``fn``'s first (compiling) call here; pass
-    False when the caller already did."""
+    False when the caller already did.
+
+    Each sample starts after a pause of ``settle`` seconds (default
+    ``SETTLE``): after a call, the
+    worker threads of OpenBLAS (up to 2**28 cycles, ~0.1 s), GNU OpenMP and
+    onnxruntime keep spinning, and on a small machine they would slow
+    whichever implementation is sampled next (measured on 2 cores: numkv's
+    causal prefill 416 ms right after NumPy's matmuls, 374 ms alone)."""
     counts = []
     for fn in fns:
         if warm_up:
@@ -101,6 +111,8 @@ def measure(fns, repeats, min_sample=0.02, budget=10.0, min_samples=3, warm_up=T
     for round_ in range(max(n for _, n in counts)):
         for fn, (number, n), got in zip(fns, counts, samples):
             if round_ < n:
+                if len(fns) > 1:
+                    time.sleep(SETTLE if settle is None else settle)
                 got.append(_sample(fn, number))
     return [statistics.median(got) for got in samples]
 
@@ -340,11 +352,6 @@ def measure_and_print_limits():
     return limits
 
 
-def _announce_compile():
-    """HOOK (lead): print a first-run "compiling numkv's kernels..." notice here;
-    called once, just before the first numkv call of the run.  Does nothing yet."""
-
-
 def run(args):
     from numkv import _bench_cases
 
@@ -368,14 +375,21 @@ def run(args):
         print(f"  median time per call, samples taken in turn (at least {settings.min_samples} per attention "
               f"implementation); ratio = time / numkv's; % = of the GEMM rate (prefill) or read "
               f"bandwidth (decode)")
-        _announce_compile()
         results = []
-        for number, case in enumerate(cases, 1):
-            print(f"\n[{number}/{len(cases)}] {case.id}: {case.title}", flush=True)
-            results.append(time_case(case, settings))
-            print_case(results[-1], limits)
+        with compile_announcement():
+            for number, case in enumerate(cases, 1):
+                print(f"\n[{number}/{len(cases)}] {case.id}: {case.title}", flush=True)
+                results.append(time_case(case, settings))
+                print_case(results[-1], limits)
         print_summary(results, limits)
     return 0
+
+
+def compile_announcement():
+    """A context in which a numkv kernel about to compile (a cold cache) says so first."""
+    from numkv._compile_notice import compile_notice
+
+    return compile_notice("the cases below", seconds=15)
 
 
 def case_list(cases):

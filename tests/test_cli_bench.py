@@ -1,6 +1,7 @@
 """``python -m numkv bench``: timing, work formulas, peers, report, options and the
 plot, on tiny shapes and monkeypatched case lists (the real bench takes minutes)."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -9,6 +10,13 @@ import pytest
 
 from numkv import _bench_cases, _bench_limits, _cli_bench
 from numkv.__main__ import main
+
+
+@pytest.fixture(autouse=True)
+def no_settling(monkeypatch):
+    """The real bench pauses between implementations (peers' threads spin
+    down); the tiny cases here need no pause."""
+    monkeypatch.setattr(_cli_bench, "SETTLE", 0.0)
 from numkv._bench_cases import Case, Impl, Workload
 
 TINY_LIMITS = _bench_limits.MachineLimits(gemm_flops=1e10, read_bytes=1e10, gemm_n=64, read_nbytes=1 << 20)
@@ -173,7 +181,8 @@ def tiny_bench(monkeypatch):
 
     monkeypatch.setattr(_bench_cases, "default_cases", cases)
     monkeypatch.setattr(_bench_limits, "measure_limits", lambda: TINY_LIMITS)
-    monkeypatch.setattr(_cli_bench, "_announce_compile", lambda: events.append("hook"))
+    monkeypatch.setattr(_cli_bench, "compile_announcement",
+                        lambda: events.append("hook") or contextlib.nullcontext())
     return events
 
 
@@ -258,3 +267,14 @@ def _spin(seconds):
     while time.perf_counter() < end:
         pass
 
+
+
+def test_measure_pauses_before_each_sample_when_implementations_alternate(monkeypatch):
+    pauses = []
+    monkeypatch.setattr(_cli_bench, "SETTLE", 0.125)
+    monkeypatch.setattr(_cli_bench.time, "sleep", pauses.append)
+    _cli_bench.measure([lambda: None, lambda: None], repeats=3, min_sample=1e-4)
+    assert pauses == [0.125] * 6
+    pauses.clear()
+    _cli_bench.measure([lambda: None], repeats=3, min_sample=1e-4)  # one implementation: nothing to settle
+    assert pauses == []
