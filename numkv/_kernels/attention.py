@@ -438,6 +438,20 @@ def _all_finite(tile):
 # -- the softmax of one tile ---------------------------------------------------------
 
 
+@jit(reassociate=True)
+def _exp_row_sum(s, r, n, m):
+    """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
+    whatever order LLVM picks (the BLAS path: its products do not keep bits
+    across tile lengths either).  A 128 x 64 tile: 11.9 us with a separate
+    ``_row_sum``, 7.9 with this."""
+    total = s.dtype.type(0.0)
+    for j in range(n):
+        p = _exp(s[r, j] - m)
+        s[r, j] = p
+        total += p
+    return total
+
+
 @jit()
 def _row_sum(s, r, n):
     """``sum(s[r, :n])`` in eight lanes (``j % 8``) added in a fixed order: the
@@ -475,7 +489,7 @@ def _row_sum(s, r, n):
 
 @jit(contract=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
-                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad):
+                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad, fast_sum):
     """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
     place) and fold them into each row's running max ``m`` and sum ``l``;
     ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
@@ -515,9 +529,12 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
                 s[r, j] = 0.0
             alpha[r] = 1.0
             continue
-        for j in range(n):
-            s[r, j] = _exp(s[r, j] - m_new)
-        total = _row_sum(s, r, n)
+        if fast_sum:
+            total = _exp_row_sum(s, r, n, m_new)
+        else:
+            for j in range(n):
+                s[r, j] = _exp(s[r, j] - m_new)
+            total = _row_sum(s, r, n)
         a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
         alpha[r] = a
         l[r] = l[r] * a + total
@@ -621,7 +638,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                         _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
-                                      desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad)
+                                      desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
                         vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
                         skip_masked = edge and not _all_finite(vt)
                         _accumulate(s, vt, acc, alpha, rows, n, use_blas, skip_masked, ints[GEMM_LIMIT])
