@@ -24,25 +24,43 @@ import os
 import queue
 import threading
 
+import numpy as np
+
 from . import _thread_limits
+
+MAX_WORKERS = 1023
+# How long a caller that has done its own share spins for the workers' shares
+# before it sleeps: 20,000 polls of ~30 ns (measured: an empty job came back
+# in 115 us when the caller slept, in 25 us when it spun).
+SPIN_POLLS = 20_000
+_SLOT = 8  # int64s per worker in the finished-flags array: one cache line each
 
 
 class _Pool:
-    """Persistent daemon worker threads, each with its own job queue."""
+    """Persistent daemon worker threads, each with its own job queue, and an
+    array where each worker writes the sequence number of the last job it
+    finished (what a caller spins on)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._inboxes = []
+        self._sequence = 0
+        self.finished = np.zeros((MAX_WORKERS + 1) * _SLOT, np.int64)
 
-    def inboxes(self, n):
-        """The queues of ``n`` workers (started on first need)."""
-        with self._lock:
-            while len(self._inboxes) < n:
+    def submit(self, jobs):
+        """Hand ``jobs[i] = (kernel, first, stop, args, done)`` to worker ``i``;
+        returns the sequence number the workers write when each is done."""
+        with self._lock:  # sequence numbers reach each worker in order
+            while len(self._inboxes) < len(jobs):
                 inbox = queue.SimpleQueue()
-                threading.Thread(target=_work, args=(inbox,), daemon=True,
-                                 name=f"numkv-{len(self._inboxes) + 1}").start()
+                index = len(self._inboxes)
+                threading.Thread(target=_work, args=(inbox, index * _SLOT, self.finished), daemon=True,
+                                 name=f"numkv-{index + 1}").start()
                 self._inboxes.append(inbox)
-            return self._inboxes[:n]
+            self._sequence += 1
+            for inbox, job in zip(self._inboxes, jobs):
+                inbox.put((*job, self._sequence))
+            return self._sequence
 
     def forget(self):
         """After a fork: the child has none of the parent's threads."""
@@ -50,15 +68,16 @@ class _Pool:
         self._inboxes = []
 
 
-def _work(inbox):
+def _work(inbox, slot, finished):
     while True:
-        kernel, first, stop, args, done = inbox.get()
+        kernel, first, stop, args, done, sequence = inbox.get()
         try:
             kernel(first, stop, *args)
         except BaseException as exc:  # handed to the caller, which re-raises it
             done.put(exc)
         else:
             done.put(None)
+        finished[slot] = sequence  # after the put: a caller that sees it finds the result
 
 
 _pool = _Pool()
@@ -70,21 +89,24 @@ def run(kernel, n_items, args, small=False):
     into contiguous shares over numkv's threads; ``small`` work (below the
     point where handing out shares costs more than it saves) runs on the
     calling thread alone."""
-    threads = 1 if small else min(_thread_limits.current(), n_items)
+    threads = 1 if small else min(_thread_limits.current(), n_items, MAX_WORKERS + 1)
     if threads <= 1:
         kernel(0, n_items, *args)
         return
     bounds = [n_items * t // threads for t in range(threads + 1)]
     done = queue.SimpleQueue()
-    for inbox, first, stop in zip(_pool.inboxes(threads - 1), bounds[1:], bounds[2:]):
-        inbox.put((kernel, first, stop, args, done))
+    sequence = _pool.submit([(kernel, first, stop, args, done)
+                             for first, stop in zip(bounds[1:], bounds[2:])])
     error = None
     try:
         kernel(bounds[0], bounds[1], *args)
     except BaseException as exc:
         error = exc
-    for _ in range(threads - 1):  # every share must finish before the arrays are released
-        failed = done.get()
+    from ._kernels.pool import wait_at_least
+
+    for worker in range(threads - 1):  # every share must finish before the arrays are released
+        wait_at_least(_pool.finished, worker * _SLOT, sequence, SPIN_POLLS)
+        failed = done.get()  # at once after a successful spin
         error = error or failed
     if error is not None:
         raise error

@@ -205,20 +205,25 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
 
 @jit(inline=True)
 def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code):
-    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as an
-    ``(n, width)`` array with unit-stride rows: a view of the buffer itself
-    where it holds rows of the accumulation dtype (no copy; BLAS reads rows
-    any distance apart), else ``scratch`` filled by widening."""
+    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(flat,
+    at, ld)``: key ``j``'s row is ``flat[at + j * ld:][:width]``.  The buffer
+    itself where it holds unit-stride rows of the accumulation dtype (no
+    copy), else ``scratch`` filled by widening."""
     base = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
     code, seq_stride = desc[t, DTYPE], desc[t, STRIDE_S]
     if code == acc_code and desc[t, STRIDE_D] == 1 and (seq_stride >= width or n == 1):
-        flat = _as_acc(buf, scratch)
-        item = flat.itemsize
-        return as_strided(flat[base:], (n, width), (max(seq_stride, width) * item, item))
-    tile = scratch[:n * width].reshape((n, width))
+        return _as_acc(buf, scratch), base, max(seq_stride, width)
     first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
-    _widen_rows(tile, first_row, n, width, buf, code, base, seq_stride, desc[t, STRIDE_D], table, formats)
-    return tile
+    _widen_rows(scratch[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
+                seq_stride, desc[t, STRIDE_D], table, formats)
+    return scratch, first_row, width
+
+
+@jit(inline=True)
+def _rows_view(flat, at, ld, n, width):
+    """``(n, width)`` view of rows ``ld`` apart from ``flat[at]`` (for BLAS)."""
+    item = flat.itemsize
+    return as_strided(flat[at:], (n, width), (ld * item, item))
 
 
 def _code_of(arr):
@@ -324,41 +329,49 @@ def _gemm(typingctx, a, b, c, beta, trans_b):
 
 
 @jit(reassociate=True)
-def _scores(qt, kt, s, rows, n, use_blas, gemm_limit):
-    """``s[:rows, :n] = qt kt^T``: BLAS for many rows, else a loop that scores
-    two query rows against four keys per pass over ``d`` (six loads feed
-    eight vectorised FMAs; one row against one key is load-bound at two loads
-    per FMA).  A pass past the last row or key repeats it: every score then
-    comes from the same vectorised sum, so its bits depend neither on the
-    number of rows (GQA equals MHA with K/V repeated) nor on the tile's length
-    (a masked key at its end changes nothing)."""
+def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit):
+    """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
+    for many rows, else a loop that scores two query rows against four keys
+    per pass over ``d`` (six loads feed eight vectorised FMAs; one row against
+    one key is load-bound at two loads per FMA).  A pass past the last row or
+    key repeats it: every score then comes from the same vectorised sum, so
+    its bits depend neither on the number of rows (GQA equals MHA with K/V
+    repeated) nor on the tile's length (a masked key at its end changes
+    nothing)."""
     d_k = qt.shape[1]
     if use_blas:  # split along d: each product within the single-thread size
+        kt = _rows_view(kf, ko, kld, n, d_k)
         part = max(1, min(d_k, gemm_limit // (rows * n)))
         for d0 in range(0, d_k, part):
             _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True)
         return
     zero = s.dtype.type(0.0)
+    # Unsigned offsets: no negative-index wraparound, so the loads vectorise.
+    at, ld = np.uint64(ko), np.uint64(kld)
     for r in range(0, rows, 2):
         r1 = min(r + 1, rows - 1)
         for j in range(0, n, 4):
-            j1, j2, j3 = min(j + 1, n - 1), min(j + 2, n - 1), min(j + 3, n - 1)
+            k0 = at + np.uint64(j) * ld
+            k1 = at + np.uint64(min(j + 1, n - 1)) * ld
+            k2 = at + np.uint64(min(j + 2, n - 1)) * ld
+            k3 = at + np.uint64(min(j + 3, n - 1)) * ld
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
             for d in range(d_k):
                 q0, q1 = qt[r, d], qt[r1, d]
-                k0, k1, k2, k3 = kt[j, d], kt[j1, d], kt[j2, d], kt[j3, d]
-                a0 += q0 * k0
-                a1 += q0 * k1
-                a2 += q0 * k2
-                a3 += q0 * k3
-                b0 += q1 * k0
-                b1 += q1 * k1
-                b2 += q1 * k2
-                b3 += q1 * k3
-            # Stored last to first: a repeated row or key is overwritten by
-            # the same value.
-            s[r1, j3], s[r1, j2], s[r1, j1], s[r1, j] = b3, b2, b1, b0
-            s[r, j3], s[r, j2], s[r, j1], s[r, j] = a3, a2, a1, a0
+                u = np.uint64(d)
+                x0, x1, x2, x3 = kf[k0 + u], kf[k1 + u], kf[k2 + u], kf[k3 + u]
+                a0 += q0 * x0
+                a1 += q0 * x1
+                a2 += q0 * x2
+                a3 += q0 * x3
+                b0 += q1 * x0
+                b1 += q1 * x1
+                b2 += q1 * x2
+                b3 += q1 * x3
+            # A repeated row or key is written twice with the same value.
+            j1, j2, j3 = min(j + 1, n - 1), min(j + 2, n - 1), min(j + 3, n - 1)
+            s[r, j], s[r, j1], s[r, j2], s[r, j3] = a0, a1, a2, a3
+            s[r1, j], s[r1, j1], s[r1, j2], s[r1, j3] = b0, b1, b2, b3
 
 
 @jit(inline=True)
@@ -368,10 +381,11 @@ def _weighted4(p, r, j):
 
 
 @jit(contract=True)
-def _accumulate(p, vt, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit):
-    """``acc = alpha acc + p vt`` per row.  The loop kernel leaves keys of
-    weight 0 out (a masked key's V may hold inf or NaN, and 0 * inf is NaN);
-    BLAS' product cannot, so ``skip_masked`` sends a tile to the loop.
+def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit):
+    """``acc = alpha acc + p V`` per row, for the value rows ``vf[vo + j * vld:]``.
+    The loop kernel leaves keys of weight 0 out (a masked key's V may hold
+    inf or NaN, and 0 * inf is NaN); BLAS' product cannot, so
+    ``skip_masked`` sends a tile to the loop.
 
     The loop adds one key after another to each element (an FMA chain, no
     reassociation), whichever keys and rows it groups per pass: a row's bits
@@ -384,54 +398,65 @@ def _accumulate(p, vt, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit):
             for d in range(d_v):
                 acc[r, d] *= a
     if use_blas and not skip_masked:  # split along d: each product within the single-thread size
+        vt = _rows_view(vf, vo, vld, n, d_v)
         part = max(1, min(d_v, gemm_limit // (rows * n)))
         for d0 in range(0, d_v, part):
             _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False)
         return
+    at, ld = np.uint64(vo), np.uint64(vld)
     for r in range(0, rows, 2):
         two = r + 1 < rows
         for j in range(0, n, 4):
+            v0 = at + np.uint64(j) * ld
             if j + 4 <= n and two and _weighted4(p, r, j) and _weighted4(p, r + 1, j):
+                v1, v2, v3 = v0 + ld, v0 + ld + ld, v0 + ld + ld + ld
                 a0, a1, a2, a3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
                 b0, b1, b2, b3 = p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3]
                 for d in range(d_v):
-                    v0, v1, v2, v3 = vt[j, d], vt[j + 1, d], vt[j + 2, d], vt[j + 3, d]
+                    u = np.uint64(d)
+                    w0, w1, w2, w3 = vf[v0 + u], vf[v1 + u], vf[v2 + u], vf[v3 + u]
                     x, y = acc[r, d], acc[r + 1, d]
-                    x += a0 * v0
-                    y += b0 * v0
-                    x += a1 * v1
-                    y += b1 * v1
-                    x += a2 * v2
-                    y += b2 * v2
-                    x += a3 * v3
-                    y += b3 * v3
+                    x += a0 * w0
+                    y += b0 * w0
+                    x += a1 * w1
+                    y += b1 * w1
+                    x += a2 * w2
+                    y += b2 * w2
+                    x += a3 * w3
+                    y += b3 * w3
                     acc[r, d], acc[r + 1, d] = x, y
                 continue
             for rr in range(r, r + 1 + two):
                 if j + 4 <= n and _weighted4(p, rr, j):
+                    v1, v2, v3 = v0 + ld, v0 + ld + ld, v0 + ld + ld + ld
                     a0, a1, a2, a3 = p[rr, j], p[rr, j + 1], p[rr, j + 2], p[rr, j + 3]
                     for d in range(d_v):
+                        u = np.uint64(d)
                         x = acc[rr, d]
-                        x += a0 * vt[j, d]
-                        x += a1 * vt[j + 1, d]
-                        x += a2 * vt[j + 2, d]
-                        x += a3 * vt[j + 3, d]
+                        x += a0 * vf[v0 + u]
+                        x += a1 * vf[v1 + u]
+                        x += a2 * vf[v2 + u]
+                        x += a3 * vf[v3 + u]
                         acc[rr, d] = x
                     continue
                 for jj in range(j, min(j + 4, n)):
                     w = p[rr, jj]
                     if w != 0:
+                        vj = at + np.uint64(jj) * ld
                         for d in range(d_v):
-                            acc[rr, d] += w * vt[jj, d]
+                            acc[rr, d] += w * vf[vj + np.uint64(d)]
 
 
 @jit()
-def _all_finite(tile):
-    """Whether every element of ``tile`` is finite (x - x is 0 only then)."""
-    total = tile.dtype.type(0.0)
-    for t in range(tile.shape[0]):
-        for c in range(tile.shape[1]):
-            total += tile[t, c] - tile[t, c]
+def _all_finite(flat, at, ld, n, width):
+    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
+    (``x - x`` is 0 only then)."""
+    total = flat.dtype.type(0.0)
+    for j in range(n):
+        row = np.uint64(at + j * ld)
+        for c in range(width):
+            x = flat[row + np.uint64(c)]
+            total += x - x
     return total == 0
 
 
@@ -630,18 +655,21 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
-                        kt = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, acc_code)
+                        kf, ko, kld = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats,
+                                               acc_code)
                         s = sbuf[:rows * n].reshape((rows, n))
-                        _scores(qt, kt, s, rows, n, use_blas, ints[GEMM_LIMIT])
+                        _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT])
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                         _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
-                        vt = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, acc_code)
-                        skip_masked = edge and not _all_finite(vt)
-                        _accumulate(s, vt, acc, alpha, rows, n, use_blas, skip_masked, ints[GEMM_LIMIT])
+                        vf, vo, vld = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats,
+                                               acc_code)
+                        skip_masked = edge and not _all_finite(vf, vo, vld, n, d_v)
+                        _accumulate(s, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
+                                    ints[GEMM_LIMIT])
 
             if split:
                 for r in range(rows):
