@@ -81,6 +81,8 @@ T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
 TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
 BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
 
+PREFETCH_KEYS = 16
+
 FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
 Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 
@@ -119,6 +121,22 @@ def _maximum(typingctx, a, b):
                             args)
 
     return a(a, b), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, flat, index):
+    """Ask the CPU to start loading ``flat[index]``'s cache line (a hint: it
+    never faults, wherever ``index`` points)."""
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
+                                              ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(flat, index), codegen
 
 
 # The narrow float formats as ``FORMAT_FIELDS``: a value's magnitude bits
@@ -223,6 +241,12 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
     unsigned element indices spare numba's negative-index wraparound (which
     kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
     step = np.uint64(stride)
+    if stride == 1:  # the rows PREFETCH_KEYS on, a cache line at a time
+        row_bytes = width * (4 if code == F32 else 8 if code == F64 else 2 if code <= BF16 else 1)
+        for t in range(n):
+            ahead = (base + (t + PREFETCH_KEYS) * seq_stride) * (row_bytes // width)
+            for line in range(0, row_bytes, 64):
+                _prefetch(buf, np.uint64(ahead + line))
     if code == F32:
         src32 = buf.view(np.float32)
         for t in range(n):
@@ -276,17 +300,17 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
 @jit(inline=True)
 def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(flat,
-    at, ld)``: key ``j``'s row is ``flat[at + j * ld:][:width]``.  The buffer
-    itself where it holds unit-stride rows of the accumulation dtype (no
-    copy), else ``scratch`` filled by widening."""
+    at, ld, in_place)``: key ``j``'s row is ``flat[at + j * ld:][:width]``.
+    The buffer itself where it holds unit-stride rows of the accumulation
+    dtype (no copy), else ``scratch`` filled by widening."""
     base = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
     code, seq_stride = desc[t, DTYPE], desc[t, STRIDE_S]
     if code == acc_code and desc[t, STRIDE_D] == 1 and (seq_stride >= width or n == 1):
-        return _as_acc(buf, scratch), base, max(seq_stride, width)
+        return _as_acc(buf, scratch), base, max(seq_stride, width), True
     first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
     _widen_rows(scratch[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
                 seq_stride, desc[t, STRIDE_D], table, formats)
-    return scratch, first_row, width
+    return scratch, first_row, width, False
 
 
 @jit(inline=True)
@@ -399,7 +423,7 @@ def _gemm(typingctx, a, b, c, beta, trans_b):
 
 
 @jit(reassociate=True)
-def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit):
+def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch):
     """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
     for many rows, else a loop that scores two query rows against four keys
     per pass over ``d`` (six loads feed eight vectorised FMAs; one row against
@@ -420,11 +444,15 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit):
     # Keys outer, rows inner: four keys are read from memory once and serve
     # every row from L1.
     at, ld = np.uint64(ko), np.uint64(kld)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
     for j in range(0, n, 4):
         k0 = at + np.uint64(j) * ld
         k1 = at + np.uint64(min(j + 1, n - 1)) * ld
         k2 = at + np.uint64(min(j + 2, n - 1)) * ld
         k3 = at + np.uint64(min(j + 3, n - 1)) * ld
+        if prefetch:  # the rows PREFETCH_KEYS keys on, a cache line at a time
+            for line in range(0, 4 * d_k, 16):
+                _prefetch(kf, k0 + ahead + np.uint64(line))
         for r in range(0, rows, 2):
             r1 = min(r + 1, rows - 1)
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
@@ -453,7 +481,7 @@ def _weighted4(p, r, j):
 
 
 @jit(contract=True)
-def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit):
+def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, prefetch):
     """``acc = alpha acc + p V`` per row, for the value rows ``vf[vo + j * vld:]``.
     The loop kernel leaves keys of weight 0 out (a masked key's V may hold
     inf or NaN, and 0 * inf is NaN); BLAS' product cannot, so
@@ -476,8 +504,12 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
             _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False)
         return
     at, ld = np.uint64(vo), np.uint64(vld)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
     for j in range(0, n, 4):  # keys outer, rows inner: V is read from memory once
         v0 = at + np.uint64(j) * ld
+        if prefetch:
+            for line in range(0, 4 * d_v, 16):
+                _prefetch(vf, v0 + ahead + np.uint64(line))
         for r in range(0, rows, 2):
             two = r + 1 < rows
             if j + 4 <= n and two and _weighted4(p, r, j) and _weighted4(p, r + 1, j):
@@ -487,16 +519,8 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
                 for d in range(d_v):
                     u = np.uint64(d)
                     w0, w1, w2, w3 = vf[v0 + u], vf[v1 + u], vf[v2 + u], vf[v3 + u]
-                    x, y = acc[r, d], acc[r + 1, d]
-                    x += a0 * w0
-                    y += b0 * w0
-                    x += a1 * w1
-                    y += b1 * w1
-                    x += a2 * w2
-                    y += b2 * w2
-                    x += a3 * w3
-                    y += b3 * w3
-                    acc[r, d], acc[r + 1, d] = x, y
+                    acc[r, d] += (a0 * w0 + a1 * w1) + (a2 * w2 + a3 * w3)
+                    acc[r + 1, d] += (b0 * w0 + b1 * w1) + (b2 * w2 + b3 * w3)
                 continue
             for rr in range(r, r + 1 + two):
                 if j + 4 <= n and _weighted4(p, rr, j):
@@ -504,12 +528,8 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
                     a0, a1, a2, a3 = p[rr, j], p[rr, j + 1], p[rr, j + 2], p[rr, j + 3]
                     for d in range(d_v):
                         u = np.uint64(d)
-                        x = acc[rr, d]
-                        x += a0 * vf[v0 + u]
-                        x += a1 * vf[v1 + u]
-                        x += a2 * vf[v2 + u]
-                        x += a3 * vf[v3 + u]
-                        acc[rr, d] = x
+                        acc[rr, d] += ((a0 * vf[v0 + u] + a1 * vf[v1 + u])
+                                       + (a2 * vf[v2 + u] + a3 * vf[v3 + u]))
                     continue
                 for jj in range(j, min(j + 4, n)):
                     w = p[rr, jj]
@@ -727,21 +747,21 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
-                        kf, ko, kld = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats,
-                                               acc_code)
+                        kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
+                                                           table, formats, acc_code)
                         s = sbuf[:rows * n].reshape((rows, n))
-                        _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT])
+                        _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], k_in_place)
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                         _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
-                        vf, vo, vld = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats,
-                                               acc_code)
+                        vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
+                                                           table, formats, acc_code)
                         skip_masked = edge and not _all_finite(vf, vo, vld, n, d_v)
                         _accumulate(s, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                    ints[GEMM_LIMIT])
+                                    ints[GEMM_LIMIT], v_in_place)
 
             if split:
                 for r in range(rows):
