@@ -28,16 +28,21 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # threads of its own inside numkv's).  Fewer rows (decode) take the loop
 # kernel.  Splitting the key range of few-query work into chunks keeps every
 # core busy: ``TARGET_ITEMS`` items (>= 4 per thread up to 64 threads), chunks
-# of at least ``MIN_CHUNK`` keys; the chunk length depends on the shapes
-# only, so results do not depend on the thread count.
+# of at least ``MIN_CHUNK`` keys (shorter ones cost more in per-item work
+# than they gain); the chunk length depends on the shapes only, so results
+# do not depend on the thread count.  Calls of fewer than
+# ``SINGLE_THREAD_MACS`` multiply-adds stay on the calling thread: handing
+# out shares costs ~25 us, and on 2 cores the crossover measured between a
+# 2.2M (one thread faster: 0.27 vs 0.35 ms) and an 8.4M MAC decode (two
+# threads faster: 0.45 vs 0.68 ms).
 ROWS_PER_TILE = 128
 BLAS_MIN_ROWS = 16
 GEMM_MNK_LIMIT = 1 << 18
 BLAS_BLOCK_K = 64
 LOOP_BLOCK_K = 64
 TARGET_ITEMS = 256
-MIN_CHUNK = 128
-SINGLE_THREAD_MACS = 1 << 16
+MIN_CHUNK = 512
+SINGLE_THREAD_MACS = 1 << 22
 
 _kernels = None
 
@@ -155,15 +160,18 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
                    blas_rows=BLAS_MIN_ROWS if blas_rows is None else blas_rows,
                    gemm_limit=GEMM_MNK_LIMIT)
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    buffers, desc = [], np.zeros((len(kernels.TENSORS), len(kernels.TENSOR_FIELDS)), np.int64)
-    for row, name in enumerate(kernels.TENSORS[:5]):  # q, past_k, k, past_v, v: raw bytes
-        flat, base, strides = byte_operand(getattr(call, name))
+    buffers, rows_desc = [], []
+    for name in kernels.TENSORS[:5]:  # q, past_k, k, past_v, v: raw bytes
+        arr = getattr(call, name)
+        flat, base, strides = byte_operand(arr)
         buffers.append(flat)
-        desc[row] = (base, *strides, codes[getattr(call, name).dtype])
-    mask = call.mask if call.mask is not None else np.zeros((1, 1, 1, 1), call.acc_dtype)
-    (mask_flat, *mask_desc), (y_flat, *y_desc) = (flat_view(a, call.acc_dtype) for a in (mask, y4))
-    desc[kernels.T_MASK, :5] = (mask_desc[0], *mask_desc[1])
-    desc[kernels.T_Y, :5] = (y_desc[0], *y_desc[1])
+        rows_desc.append((base, *strides, codes[arr.dtype]))
+    mask = call.mask if call.mask is not None else _NO_MASK[call.acc_dtype.itemsize]
+    for arr in (mask, y4):  # the additive mask and Y: the accumulation dtype
+        flat, base, strides = flat_view(arr, call.acc_dtype)
+        buffers.append(flat)
+        rows_desc.append((base, *strides, 0))
+    desc = np.array(rows_desc, np.int64)
     floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
 
     n_items = b * hkv * n_units
@@ -178,12 +186,16 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     # The tiniest calls cost less than handing out shares to other threads.
     small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
     _threads.run(kernels.attention_items, n_items * n_chunks, (
-        *buffers, mask_flat, y_flat, ints, desc, floats, call.offset, call.valid, e8m0_table(),
+        *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
         kernels.FORMAT_TABLE, part_m, part_l, part_acc), small)
     if n_chunks > 1:  # merge the chunks' partial softmaxes
-        _threads.run(kernels.attention_merge, n_items, (y_flat, ints, desc, part_m, part_l, part_acc),
+        _threads.run(kernels.attention_merge, n_items, (buffers[-1], ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
     return call.finish(y)
+
+
+# The normal range of each accumulation dtype (by size: float32, float64).
+_RANGE = {n: (float(np.finfo(f"f{n}").tiny), float(np.finfo(f"f{n}").max)) for n in (4, 8)}
 
 
 def _scale_factors(scale, dtype):
@@ -191,17 +203,21 @@ def _scale_factors(scale, dtype):
     the second.  The reference multiplies Q and K by ``sqrt(scale)`` each; one
     factor on Q does the same where ``scale`` itself is a normal number of the
     accumulation dtype, and costs no pass over the scores."""
-    info = np.finfo(dtype)
-    if scale == 0 or float(info.tiny) <= abs(scale) <= float(info.max):
+    tiny, huge = _RANGE[dtype.itemsize]
+    if scale == 0 or tiny <= abs(scale) <= huge:
         return scale, 1.0
     root = math.sqrt(scale)
     return root, root
 
 
+# The kernel's mask operand when there is none (never read), per accumulation dtype size.
+_NO_MASK = {4: np.zeros((1, 1, 1, 1), np.float32), 8: np.zeros((1, 1, 1, 1), np.float64)}
+
+
 def _fields(names, **values):
-    """An int64 array holding ``values`` in the order of ``names`` (all of them)."""
-    if set(values) != set(names):
-        raise AssertionError(f"kernel fields differ: {sorted(set(values) ^ set(names))}")
+    """An int64 array holding ``values`` in the order of ``names`` (all of
+    them, and nothing else: a KeyError or an AssertionError otherwise)."""
+    assert len(values) == len(names), sorted(set(values) ^ set(names))
     return np.array([values[name] for name in names], np.int64)
 
 
