@@ -8,46 +8,47 @@ Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype.  Elements are widened into float tiles of the accumulation
-dtype (float32, or float64 for float64 Q / ``softmax_precision`` DOUBLE), one
-tile at a time, never the whole cache: bfloat16 with a shift, float16 and the
-float8s with integer bit arithmetic that vectorises (``_decode_bits``).  A K/V
-tile already in the accumulation dtype with contiguous rows is used in place.
-Keys ``j < P`` come from the past buffers, the rest from the new K/V (no
-concatenation).  ``mask`` (additive) and ``y`` are flat accumulation-dtype
-buffers with rows of ``desc`` too.
+every input dtype.  Elements are widened into tiles of the accumulation dtype
+(float32, or float64 for float64 Q / ``softmax_precision`` DOUBLE), one tile
+at a time, never the whole cache (``_widen_rows``); K/V rows already in the
+accumulation dtype, unit stride, are read in place.  Keys ``j < P`` come from
+the past buffers, the rest from the new K/V (no concatenation).  ``mask``
+(additive) and ``y`` are flat accumulation-dtype buffers with rows of
+``desc`` too.
 
-Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): for a work
-item, the ``rows = G * nq`` query rows of one kv head and ``nq`` queries
-(head-major: row ``g * nq + i``) are scored against a tile of ``n`` keys with
-one matrix product ``S = Q K^T`` and update their accumulators with another,
-``acc = alpha * acc + P V``.  Many rows (prefill) take BLAS ``gemm`` through
-numba's ``np.dot`` (SciPy's BLAS); each product is kept at or below OpenBLAS'
-single-thread threshold (M*N*K <= 2**18), so BLAS never starts threads of its
-own inside numba's.  Few rows (decode) take a loop that scores four keys per
-pass (the cache is read once, the products are memory-bound anyway).
+Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
+item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
+against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
+their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
+(prefill) take BLAS ``gemm`` (``_gemm``), each call split to stay within
+OpenBLAS' single-thread size; few rows (decode) take a loop that scores two
+rows against four keys per pass (``_scores``, ``_accumulate``).
 
-Online softmax per row, once per tile: ``m' = max(m, max_j s_j)``, ``alpha =
-e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32 ``exp`` that vectorises,
-``_exp``), ``l' = alpha l + sum p_j``, ``acc' = alpha acc + sum p_j v_j``; at
-the end ``y = acc / l``, or zeros when ``l == 0`` (the row attended nothing).
-Which keys query ``i`` of batch row ``b`` sees is one interval ``[lo, hi]``
-folded by the wrapper from ``is_causal``, the offset, windows and valid
-lengths; the additive mask applies inside it.  Only tiles that cross an
-interval's end, or meet the mask, take the masked path; tiles outside every
-row's interval are never loaded.  Masking *sets* ``-inf`` (it never adds to
-the score), and ``P V`` skips masked keys whenever their V holds a non-finite
-value: an excluded key never influences Y, whatever its K or V hold.  A NaN or
-``+inf`` among the attended scores makes the row NaN (as the reference's
-softmax does), wherever the key sits.
+Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
+max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
+``exp`` that vectorises, ``_exp``), ``l' = alpha l + sum p_j``, ``acc' = alpha
+acc + sum p_j v_j``; at the end ``y = acc / l``, or zeros when ``l == 0`` (the
+row attended nothing).  Which keys query ``i`` of batch row ``b`` sees is one
+interval ``[lo, hi]`` folded by the wrapper from ``is_causal``, the offset,
+windows and valid lengths; the additive mask applies inside it.  Only tiles
+that cross an interval's end, or meet the mask, take the masked path; tiles
+outside every row's interval are never loaded.  Masking *sets* ``-inf`` (it
+never adds to the score), and ``P V`` leaves out masked keys whenever their V
+holds a non-finite value: an excluded key never influences Y, whatever its K
+or V hold.  A NaN or ``+inf`` among the attended scores makes the row NaN (as
+the reference's softmax does), wherever the key sits.
 
-Parallel strategy: a flat ``prange`` over work items ``(b, kv_head, unit,
-chunk)``.  A unit is a pair of query tiles ``(t, n_tiles - 1 - t)``: causal
-tiles cost in proportion to their index, so every pair costs the same and
-numba's equal contiguous shares of items balance.  Few query tiles (decode)
-split the key range into chunks instead, of a length set by the shapes only;
-a second launch (``phase`` 1) merges the partial softmaxes in chunk order, so
-results do not depend on the thread count.
+Parallel strategy: ``attention_items(first, stop, ...)`` computes work items
+``(b, kv_head, unit, chunk)`` ``first .. stop``; ``numkv._threads`` hands
+contiguous ranges of them to its threads.  A unit is a pair of query tiles
+``(t, n_tiles - 1 - t)``: causal tiles cost in proportion to their index, so
+every pair costs the same and equal shares of items balance.  Few query tiles
+(decode) split the key range into chunks instead, of a length set by the
+shapes only; ``attention_merge`` then combines the partial softmaxes in chunk
+order, so results do not depend on the thread count.
+
+Helpers live in this file, not beside it: numba's disk cache notices edits to
+a kernel's own file only.
 
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes <= T, tiles >= 1, ``Hq % Hkv ==
@@ -81,6 +82,9 @@ T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
 TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
 BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
 
+# How many keys ahead the loops prefetch key and value rows (~8 KiB of float32
+# rows at D = 128: far enough to hide the memory latency, near enough to stay
+# in L1).  A constant: numba freezes it into the compiled kernel.
 PREFETCH_KEYS = 16
 
 FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
