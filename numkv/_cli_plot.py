@@ -151,8 +151,8 @@ def run(args):
         limits = _cli_bench.measure_and_print_limits()
         points = sweep_points(PANELS)
         print(f"  {len(points)} points to time for {args.plot}")
-        with _cli_bench.compile_announcement():
-            series = sweep(points, settings, args.threads)
+        _cli_bench.warm_up_kernels()
+        series = sweep(points, settings, args.threads)
         draw(args.plot, points, series, limits, title_text(args.threads), note_text(settings))
     print(f"wrote {args.plot}")
     return 0
