@@ -170,18 +170,24 @@ def test_thread_count_does_not_change_y(args, tile):
         assert_same_bits(other, one)
 
 
+def assert_same_on_threads(call, counts, **kwargs):
+    """Y on each of ``counts`` threads (all really used) has the bits of Y on
+    one thread; returns that Y."""
+    one, _ = run_on_threads(call, 1, **kwargs)
+    for threads in counts:
+        other, used = run_on_threads(call, threads, **kwargs)
+        assert used == threads
+        assert_same_bits(other, one)
+    return one
+
+
 def test_thread_count_does_not_change_y_prefill():
     # A causal prefill with many work items, split over 2, 3 and 5 threads.
     rng = np.random.default_rng(2)
     q = rng.standard_normal((2, 4, 70, 16), np.float32)
     k = rng.standard_normal((2, 2, 70, 16), np.float32)
     v = rng.standard_normal((2, 2, 70, 16), np.float32)
-    call = _attention.prepare(q, k, v, is_causal=True)
-    one, _ = run_on_threads(call, 1, block_q=4, block_k=8)
-    for threads in (2, 3, 5):
-        other, used = run_on_threads(call, threads, block_q=4, block_k=8)
-        assert used == threads
-        assert_same_bits(other, one)
+    assert_same_on_threads(_attention.prepare(q, k, v, is_causal=True), (2, 3, 5), block_q=4, block_k=8)
 
 
 def test_thread_count_does_not_change_y_split_decode():
@@ -193,11 +199,7 @@ def test_thread_count_does_not_change_y_split_decode():
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     call = _attention.prepare(q, k, v, nonpad_kv_seqlen=np.array([2900]), is_causal=True)
     assert _attention._kv_chunk(1, call.total, _attention.LOOP_BLOCK_K) < call.total  # it splits
-    one, _ = run_on_threads(call, 1)
-    for threads in (2, 3):
-        other, used = run_on_threads(call, threads)
-        assert used == threads
-        assert_same_bits(other, one)
+    one = assert_same_on_threads(call, (2, 3))
     assert_close_f32(one, _attention.run(call, kv_chunk=call.total), {"K": k, "V": v})
 
 

@@ -237,6 +237,16 @@ def _format(formats, code):
             np.uint32(row[NAN_BITS]))
 
 
+@jit(inline=True)
+def _copy_rows(dst, r0, n, width, src, base, seq_stride, step):
+    """``dst[r0 + t, c] = src[base + t * seq_stride + c * step]`` (a float32 or
+    float64 source: numba converts)."""
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):
+            dst[r0 + t, c] = src[at + np.uint64(c) * step]
+
+
 @jit()
 def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
     """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
@@ -252,17 +262,9 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
             for line in range(0, row_bytes, 64):
                 _prefetch(buf, np.uint64(ahead + line))
     if code == F32:
-        src32 = buf.view(np.float32)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = src32[at + np.uint64(c) * step]
+        _copy_rows(dst, r0, n, width, buf.view(np.float32), base, seq_stride, step)
     elif code == F64:
-        src64 = buf.view(np.float64)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = src64[at + np.uint64(c) * step]
+        _copy_rows(dst, r0, n, width, buf.view(np.float64), base, seq_stride, step)
     elif code == BF16:  # bfloat16 is float32's upper half
         src16 = buf.view(np.uint16)
         for t in range(n):
@@ -575,9 +577,10 @@ def _exp_row_sum(s, r, n, m):
 
 @jit()
 def _row_sum(s, r, n):
-    """``sum(s[r, :n])`` in eight lanes (``j % 8``) added in a fixed order: the
+    """``sum(s[r, :n])`` in eight lanes added in a fixed order (eight running
+    sums, not one: a chain of float adds runs at a quarter of their rate): the
     bits do not depend on ``n`` when the extra entries are zeros (a masked key
-    at the end of a tile changes nothing), and the lanes still vectorise."""
+    at the end of a tile changes nothing)."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = s.dtype.type(0.0)
     j = 0
     while j + 8 <= n:
@@ -590,6 +593,8 @@ def _row_sum(s, r, n):
         a6 += s[r, j + 6]
         a7 += s[r, j + 7]
         j += 8
+    # The tail goes to the lanes it would have had in a longer row, so a row
+    # padded with zeros (a masked key) sums in the same order.
     tail = n - j
     if tail > 0:
         a0 += s[r, j]
