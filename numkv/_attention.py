@@ -2,8 +2,8 @@
 
 coerce -> validate everything -> 4-D ``(b, h, s, d)`` views (3-D inputs are
 reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
-/ valid lengths folded into per-batch integers -> bit views + decode tables ->
-one kernel -> cast Y once.
+/ valid lengths folded into per-batch integers -> raw-byte operands and the
+kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 """
 
 import math
@@ -38,8 +38,7 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 ROWS_PER_TILE = 128
 BLAS_MIN_ROWS = 16
 GEMM_MNK_LIMIT = 1 << 18
-BLAS_BLOCK_K = 64
-LOOP_BLOCK_K = 64
+BLOCK_K = 64  # keys a tile (measured best of 32-128 for the BLAS and the loop kernels alike)
 TARGET_ITEMS = 256
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS = 1 << 22
@@ -202,9 +201,12 @@ def _scale_factors(scale, dtype):
     """``(q_scale, score_scale)``: Q is multiplied by the first, the scores by
     the second.  The reference multiplies Q and K by ``sqrt(scale)`` each; one
     factor on Q does the same where ``scale`` itself is a normal number of the
-    accumulation dtype, and costs no pass over the scores."""
+    accumulation dtype, and costs no pass over the scores.  A negative (or
+    NaN) scale has no square root: every attended score is NaN, as there."""
+    if not scale >= 0:
+        return math.nan, 1.0
     tiny, huge = _RANGE[dtype.itemsize]
-    if scale == 0 or tiny <= abs(scale) <= huge:
+    if scale == 0 or tiny <= scale <= huge:
         return scale, 1.0
     root = math.sqrt(scale)
     return root, root
@@ -223,8 +225,7 @@ def _fields(names, **values):
 
 def _tiles(group, sq):
     """Default ``(block_q, block_k)`` for ``group`` query heads per kv head."""
-    block_q = max(1, min(sq, ROWS_PER_TILE // group))
-    return block_q, BLAS_BLOCK_K if group * block_q >= BLAS_MIN_ROWS else LOOP_BLOCK_K
+    return max(1, min(sq, ROWS_PER_TILE // group)), BLOCK_K
 
 
 def _kv_chunk(n_items, total, block_k):
@@ -430,4 +431,6 @@ def _mask_view(attn_mask, target, acc_dtype):
         additive = np.where(mask, acc_dtype.type(0), acc_dtype.type(-np.inf))
     else:
         additive = mask.astype(acc_dtype, copy=False)
+    if not additive.flags.aligned:  # strides that are no multiple of the itemsize: the kernel needs them
+        additive = np.ascontiguousarray(additive)
     return np.broadcast_to(additive.reshape(shape), (b, hq, sq, length)), length

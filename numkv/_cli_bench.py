@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 
 import numkv
-from numkv._config import runtime_info, set_threads
+from numkv._config import runtime_info
 
 LABEL_WIDTH = 54
 
@@ -63,7 +63,7 @@ def add_parser(subparsers):
     parser.add_argument("--quick", action="store_true",
                         help="fewer samples per case (at least 3): rough figures, a shorter run")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="threads for numkv (numba), BLAS, onnxruntime and torch (default: their own, "
+                        help="threads for numkv, BLAS, onnxruntime and torch (default: their own, "
                              "usually one per core)")
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="run only the cases whose id or title matches REGEX (see --list)")
@@ -292,14 +292,14 @@ def _have(module):
 
 
 def _set_threads(n):
-    """Thread counts for every runtime.  numkv's kernels are numba's; BLAS (the
-    GEMM limit, NumPy's matmuls) is set through threadpoolctl where installed;
+    """Thread counts for every runtime: numkv's (``numkv.set_num_threads``);
+    BLAS (the GEMM limit, NumPy's matmuls) through threadpoolctl where installed;
     onnxruntime's sessions take ``n`` when they are made."""
     if n is None:
         return nullcontext()
     if n < 1:
         raise SystemExit("--threads must be >= 1")
-    getattr(numkv, "set_num_threads", set_threads)(n)
+    numkv.set_num_threads(n)
     if _have("torch"):
         import torch
 

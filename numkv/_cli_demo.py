@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+import numkv
+
 # Logits agree when |a - b| <= ATOL + RTOL * max|a|: float32 sums taken in a
 # different order (one-shot vs cached, different tile splits) differ by a few
 # ulps per layer; the measured gap at every preset is ~1e-6 of the logit scale.
@@ -130,11 +132,10 @@ def _compare(tokens, logits, ref_tokens, ref_logits):
 
 def run(args):
     from numkv._compile_notice import compile_notice
-    from numkv._config import set_threads, threads
     from numkv.layers import Decoder
 
     if args.threads is not None:
-        set_threads(args.threads)
+        numkv.set_num_threads(args.threads)
     if min(args.batch, args.prompt_len, args.new_tokens) < 1:
         raise SystemExit("demo: --batch, --prompt-len and --new-tokens must be >= 1")
     window = args.window or max(1, args.prompt_len // 2)
@@ -158,7 +159,7 @@ def run(args):
     cfg = decoder.config
     print(f"numkv demo: decoder {args.size!r} (embed {cfg['embed_dim']}, {cfg['num_layers']} layers, "
           f"{cfg['num_heads']} query / {cfg['num_kv_heads']} kv heads, vocab {cfg['vocab_size']}), "
-          f"{threads()} threads")
+          f"{numkv.get_num_threads()} threads")
     print(f"batch {args.batch}, prompts of {lens.min()}..{lens.max()} tokens, "
           f"{args.new_tokens} new tokens each, greedy")
 

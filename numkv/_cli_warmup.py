@@ -7,8 +7,9 @@ Through the public API only: each group calls ``numkv.tensor_scatter`` or
 family, so whatever specialisations the kernels need for that family are the
 ones compiled — however many there are and whatever they are called.
 
-Groups run in parallel processes (spawned, never forked: a forked child of a
-process whose OpenMP threads ran can hang).  numba's cache index is not safe
+Groups run in parallel processes (spawned, not forked: each starts from a
+clean interpreter and inherits none of this one's compiler state).  numba's
+cache index is not safe
 for two processes adding entries at once: each rewrites the whole index and
 takes the next free data-file number, so one entry is lost or, worse, one
 process's data file is overwritten by another's code under the same number.
@@ -23,6 +24,7 @@ import time
 import numpy as np
 
 import numkv
+from numkv import _thread_limits
 from numkv._compile_notice import CompileWatch
 from numkv._dtypes import is_object_dtype
 
@@ -108,8 +110,8 @@ def _attention_group(q_name, kv_names, softmax_precision=None):
 LOW = ("float16", "bfloat16", *FLOAT8)
 
 # In the order they start: the groups that compile the most first (float32
-# and float64 attention: with the kernel of 2026-11, every other dtype family
-# reuses their two builds), so that parallel workers start on those.
+# and float64 attention: one kernel per accumulation dtype, which every other
+# dtype family reuses), so that parallel workers start on those.
 GROUPS = {
     "attention float32": lambda: _attention_group("float32", ["float32"]),
     "attention float64": lambda: _attention_group("float64", ["float64"]),
@@ -143,25 +145,26 @@ def add_parser(subparsers):
     return p
 
 
-def _cpus():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _serialise_cache_writes(lock_path):
-    """Make numba's cache writes in this process take ``lock_path``'s lock
-    (see the module docstring).  Returns whether it could."""
+def _cache_save():
+    """``(fcntl, numba's caching module, its index save)``, or None where one
+    is missing (not Unix, another numba)."""
     try:
         import fcntl
 
         from numba.core import caching
     except ImportError:
-        return False
+        return None
     save = getattr(caching.IndexDataCacheFile, "save", None)
-    if save is None:
+    return None if save is None else (fcntl, caching, save)
+
+
+def _serialise_cache_writes(lock_path):
+    """Make numba's cache writes in this process take ``lock_path``'s lock
+    (see the module docstring).  Returns whether it could."""
+    found = _cache_save()
+    if found is None:
         return False
+    fcntl, caching, save = found
 
     def locked_save(self, key, data):
         with open(lock_path, "a") as lock:
@@ -175,13 +178,7 @@ def _serialise_cache_writes(lock_path):
 
 
 def _can_serialise():
-    try:
-        import fcntl  # noqa: F401
-
-        from numba.core import caching
-    except ImportError:
-        return False
-    return hasattr(caching.IndexDataCacheFile, "save")
+    return _cache_save() is not None
 
 
 def _init_worker(lock_path):
@@ -208,7 +205,7 @@ def run(args):
     print(f"  cache: {path or '-'}  ({note})")
     if path is None:
         raise SystemExit("warmup: no disk cache to fill (see above)")
-    jobs = args.jobs or min(_cpus(), len(names))
+    jobs = args.jobs or min(_thread_limits.cores(), len(names))
     if jobs > 1 and not _can_serialise():
         print("  (numba's cache writes can't be serialised here: one group at a time)")
         jobs = 1

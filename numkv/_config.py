@@ -21,7 +21,7 @@ CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
 FASTMATH = frozenset({"reassoc", "contract"})
 
 
-def jit(parallel=False, reassociate=False, contract=False, inline=False):
+def jit(reassociate=False, contract=False, inline=False):
     """A lazy ``numba.njit`` (no signatures: nothing compiles at import);
     ``reassociate`` enables exactly the ``FASTMATH`` flags, ``contract`` only
     the fusing of a multiply and an add into one FMA (no reordering);
@@ -29,7 +29,7 @@ def jit(parallel=False, reassociate=False, contract=False, inline=False):
     counting of its array arguments)."""
     import numba
 
-    options = dict(nogil=True, parallel=parallel, error_model="numpy")
+    options = dict(nogil=True, error_model="numpy")
     if reassociate:
         options["fastmath"] = set(FASTMATH)
     elif contract:
@@ -51,24 +51,11 @@ def jit(parallel=False, reassociate=False, contract=False, inline=False):
 REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
 
 
-def threads():
-    """The number of threads numkv's kernels use."""
-    from . import _thread_limits
-
-    return _thread_limits.current()
-
-
-def set_threads(n):
-    """Set the number of threads numkv's kernels use (the library itself never
-    does; the command line does, for ``--threads``)."""
-    from . import _thread_limits
-
-    _thread_limits.set_current(n)
-
-
 def runtime_info():
     """``(numba version, threads, threading)``: numkv runs its kernels on its
     own thread pool, never numba's threading layer."""
     import numba
 
-    return numba.__version__, threads(), "numkv pool (numba nogil kernels)"
+    from . import _thread_limits
+
+    return numba.__version__, _thread_limits.get_num_threads(), "numkv pool (numba nogil kernels)"

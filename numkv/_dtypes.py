@@ -5,9 +5,11 @@ the boundary as raw bits:
 
 * scatter moves every fixed-width element as ``k`` units of an unsigned integer
   (``flat_units``), so bits are copied exactly (NaN payloads, -0.0);
-* attention reads float16 / bfloat16 / float8 as ``uint16`` / ``uint8`` bits and
-  widens them through a decode table built from ``ml_dtypes`` itself, so the
-  decoding is exact by construction (``decode_table``).
+* attention reads every input as raw bytes with a dtype code
+  (``byte_operand``, ``kernel_dtype_codes``) and widens float16 / bfloat16 /
+  float8 tile by tile with bit arithmetic; the decode tables built from
+  ``ml_dtypes`` itself (``decode_table``) are the exact reference the tests
+  check that against, and float8_e8m0fnu's widening.
 
 Types are classified by identity against explicit tables, never by
 ``dtype.kind``: ``ml_dtypes`` types are kind ``'V'`` (except float8_e5m2, kind

@@ -24,12 +24,15 @@ def _env_threads(name):
     return int(value) if value.isdigit() and int(value) >= 1 else None
 
 
-def _default():
+def cores():
+    """The CPUs this process may use."""
     if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-    else:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return _env_threads("NUMBA_NUM_THREADS") or _env_threads("OMP_NUM_THREADS") or max(1, cores)
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1  # pragma: no cover - not Linux
+
+
+def _default():
+    return _env_threads("NUMBA_NUM_THREADS") or _env_threads("OMP_NUM_THREADS") or cores()
 
 
 _DEFAULT = _default()
@@ -53,8 +56,3 @@ def set_num_threads(n):
 def get_num_threads():
     """The number of threads numkv's kernels use (see ``set_num_threads``)."""
     return _threads
-
-
-# The names numkv._threads, numkv._config and the tests use.
-current = get_num_threads
-set_current = set_num_threads

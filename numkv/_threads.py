@@ -23,6 +23,7 @@ runs it, so results never depend on the thread count.
 import os
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -30,8 +31,7 @@ from . import _thread_limits
 
 MAX_WORKERS = 1023
 # How long a caller that has done its own share spins for the workers' shares
-# before it sleeps: 20,000 polls of ~30 ns (measured: an empty job came back
-# in 115 us when the caller slept, in 25 us when it spun).
+# before it sleeps: 20,000 polls of ~30 ns (why: ``_kernels/pool.py``).
 SPIN_POLLS = 20_000
 _SLOT = 8  # int64s per worker in the finished-flags array: one cache line each
 
@@ -89,7 +89,7 @@ def run(kernel, n_items, args, small=False):
     into contiguous shares over numkv's threads; ``small`` work (below the
     point where handing out shares costs more than it saves) runs on the
     calling thread alone."""
-    threads = 1 if small else min(_thread_limits.current(), n_items, MAX_WORKERS + 1)
+    threads = 1 if small else min(_thread_limits.get_num_threads(), n_items, MAX_WORKERS + 1)
     if threads <= 1:
         kernel(0, n_items, *args)
         return
@@ -104,9 +104,26 @@ def run(kernel, n_items, args, small=False):
         error = exc
     from ._kernels.pool import wait_at_least
 
-    for worker in range(threads - 1):  # every share must finish before the arrays are released
-        wait_at_least(_pool.finished, worker * _SLOT, sequence, SPIN_POLLS)
-        failed = done.get()  # at once after a successful spin
-        error = error or failed
+    try:
+        for worker in range(threads - 1):
+            wait_at_least(_pool.finished, worker * _SLOT, sequence, SPIN_POLLS)
+            failed = done.get()  # at once after a successful spin
+            error = error or failed
+    except BaseException as exc:  # Ctrl-C while waiting
+        error = error or exc
+        _wait_for_every_share(sequence, threads - 1)
+        while not done.empty():
+            error = error or done.get_nowait()
     if error is not None:
         raise error
+
+
+def _wait_for_every_share(sequence, workers):
+    """Return only once every worker has finished job ``sequence``, whatever
+    interrupts come meanwhile: the caller's arrays (an in-place cache) must
+    not change after the call has raised."""
+    while any(_pool.finished[w * _SLOT] < sequence for w in range(workers)):
+        try:
+            time.sleep(1e-4)
+        except BaseException:  # another Ctrl-C: still wait
+            continue

@@ -154,7 +154,7 @@ def test_nan_with_split_keys_on_several_threads(rng, monkeypatch):
     monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", 0)
     results = []
     for threads in (1, 3):
-        monkeypatch.setattr(_thread_limits, "current", lambda n=threads: n)
+        monkeypatch.setattr(_thread_limits, "get_num_threads", lambda n=threads: n)
         results.append(numkv.attention(q, k, v))
     assert np.isnan(results[0]).all()
     assert np.array_equal(results[0], results[1], equal_nan=True)
@@ -172,3 +172,48 @@ def test_scale_beyond_float32_gives_the_references_float32_values(rng, scale):
     assert (np.isnan(y) == np.isnan(reference)).all()
     finite = ~np.isnan(y)
     np.testing.assert_allclose(y[finite], reference[finite], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_an_attended_key_whose_weight_underflows_still_multiplies_its_v(rng, run):
+    """``0 * inf`` is NaN in the reference's ``P V``: an attended key whose
+    weight underflowed to 0 and whose V is inf makes that output NaN, on
+    every path (the loop kernel leaves out masked keys only, not zero weights)."""
+    q = np.abs(rng.standard_normal((B, HQ, 3, D), np.float32))
+    k = rng.standard_normal((B, HKV, 40, D), np.float32)
+    v = rng.standard_normal((B, HKV, 40, D), np.float32)
+    k[:, :, 3] = -1000.0  # its score is ~-1e4 below the others: e**score is 0
+    v[:, :, 3, 0] = np.inf
+    y = attention(q, k, v, run)
+    reference = oracle.attention(q, k, v)[0]
+    assert np.isnan(reference[..., 0]).all() and not np.isnan(reference[..., 1:]).any()
+    assert (np.isnan(y) == np.isnan(reference)).all()
+
+
+@pytest.mark.parametrize("scale", [-0.5, -1e39, -1e-46, float("-inf")])
+def test_a_negative_scale_gives_nan_rows_as_the_reference(rng, scale):
+    """The reference scales Q and K by ``sqrt(scale)``: NaN for a negative one."""
+    q, k, v = inputs(rng, sq=3, skv=8)
+    mask = np.ones((1, 1, 3, 8), bool)
+    mask[0, 0, 1] = False  # a row that attends nothing stays zeros
+    y = numkv.attention(q, k, v, attn_mask=mask, scale=scale)
+    reference = oracle.attention(q, k, v, attn_mask=mask, scale=scale, float64=False)[0]
+    assert (np.isnan(y) == np.isnan(reference)).all()
+    assert np.isnan(y[:, :, [0, 2]]).all() and (y[:, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_float_mask_with_misaligned_strides_is_read_correctly(rng, dtype):
+    """A mask viewed through strides that are no multiple of its itemsize
+    (here 6 or 12 bytes) is copied first: the kernel reads elements, not bytes."""
+    q, k, v = inputs(rng, sq=3, skv=5)
+    values = rng.standard_normal((3, 5)).astype(dtype)
+    raw = np.zeros(values.size * values.itemsize * 3 // 2 + 8, np.uint8)
+    step = values.itemsize * 3 // 2
+    odd = np.ndarray((3, 5), dtype, raw, offset=1, strides=(5 * step, step))
+    odd[...] = values
+    assert not odd.flags.aligned
+    acc = np.float64 if dtype == np.float64 else np.float32
+    expected = numkv.attention(q.astype(acc), k.astype(acc), v.astype(acc), attn_mask=values.copy())
+    got = numkv.attention(q.astype(acc), k.astype(acc), v.astype(acc), attn_mask=odd)
+    assert np.array_equal(got, expected)

@@ -154,7 +154,7 @@ def run_on_threads(call, threads, **kwargs):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_attention, "SINGLE_THREAD_MACS", 0)
-        mp.setattr(_thread_limits, "current", lambda: threads)
+        mp.setattr(_thread_limits, "get_num_threads", lambda: threads)
         mp.setattr(_threads, "run", spy)
         y = _attention.run(call, **kwargs)
     return y, max(shares)
@@ -198,7 +198,7 @@ def test_thread_count_does_not_change_y_split_decode():
     k = rng.standard_normal((1, 1, 3000, 16), np.float32)
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     call = _attention.prepare(q, k, v, nonpad_kv_seqlen=np.array([2900]), is_causal=True)
-    assert _attention._kv_chunk(1, call.total, _attention.LOOP_BLOCK_K) < call.total  # it splits
+    assert _attention._kv_chunk(1, call.total, _attention.BLOCK_K) < call.total  # it splits
     one = assert_same_on_threads(call, (2, 3))
     assert_close_f32(one, _attention.run(call, kv_chunk=call.total), {"K": k, "V": v})
 

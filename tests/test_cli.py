@@ -80,8 +80,7 @@ def test_info_says_what_numkv_runs_on(capsys):
     for field in ("numpy ", "numba ", "BLAS numba calls (SciPy's): ", "NumPy's BLAS: ",
                   "threading: ", "kernel cache: "):
         assert field in out, field
-    from numkv._config import threads
-    assert f"threads: {threads()}, " in out
+    assert f"threads: {numkv.get_num_threads()}, " in out
     assert "unknown" not in re.search(r"BLAS numba calls.*", out).group(0)  # SciPy is a dependency
 
 

@@ -343,7 +343,7 @@ def test_parallel_equals_serial_any_thread_count(dtype, rng, monkeypatch):
     for threshold in (0, HUGE):
         monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", threshold)
         for threads in (1, 2, 3, 7):
-            monkeypatch.setattr(_thread_limits, "current", lambda n=threads: n)
+            monkeypatch.setattr(_thread_limits, "get_num_threads", lambda n=threads: n)
             results.append(numkv.tensor_scatter(past, update, w, mode="circular"))
             cache = past.copy()
             results.append(numkv.tensor_scatter(cache, update, w, mode="circular", out=cache))

@@ -33,9 +33,9 @@ interval ``[lo, hi]`` folded by the wrapper from ``is_causal``, the offset,
 windows and valid lengths; the additive mask applies inside it.  Only tiles
 that cross an interval's end, or meet the mask, take the masked path; tiles
 outside every row's interval are never loaded.  Masking *sets* ``-inf`` (it
-never adds to the score), and ``P V`` leaves out masked keys whenever their V
-holds a non-finite value: an excluded key never influences Y, whatever its K
-or V hold.  A NaN or ``+inf`` among the attended scores makes the row NaN (as
+never adds to the score), its weight is ``-0.0``, and ``P V`` leaves such keys
+out whenever a tile's V holds a non-finite value: an excluded key never
+influences Y, whatever its K or V hold.  A NaN or ``+inf`` among the attended scores makes the row NaN (as
 the reference's softmax does), wherever the key sits.
 
 Parallel strategy: ``attention_items(first, stop, ...)`` computes work items
@@ -51,7 +51,8 @@ Helpers live in this file, not beside it: numba's disk cache notices edits to
 a kernel's own file only.
 
 Preconditions (the wrapper checks them): every index the strides produce is in
-bounds, ``0 <= valid[b] <= T``, window sizes <= T, tiles >= 1, ``Hq % Hkv ==
+bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
+-1), tiles >= 1, ``Hq % Hkv ==
 0``, the partial buffers hold ``n_items * n_chunks`` entries when split.
 """
 
@@ -351,14 +352,18 @@ def _as_acc_impl(buf, like):
 
 
 def _exp(x):
-    """``e**x`` for ``x <= 0`` (``-inf`` and NaN give 0)."""
+    """``e**x`` for ``x <= 0``; NaN gives 0, and ``-inf`` gives ``-0.0``: the
+    weight of a masked key, which the loop kernel leaves out of ``P V`` (a
+    weight that underflowed is ``+0.0`` and counts, as in BLAS)."""
 
 
 @overload(_exp)
 def _exp_impl(x):
     if x == types.float64:
         def exp64(x):
-            return math.exp(x) if x >= -745.2 else 0.0  # NaN -> 0 as well
+            if x >= -745.2:
+                return math.exp(x)
+            return -0.0 if x == -np.inf else 0.0  # NaN -> 0 as well
         return exp64
 
     def exp32(x):
@@ -379,7 +384,8 @@ def _exp_impl(x):
         p = p * r + np.float32(5.0000001201e-1)
         p = p * r * r + r + np.float32(1.0)
         pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
-        return p * pow2n if inside else np.float32(0.0)
+        underflow = np.float32(-0.0) if x == -np.inf else np.float32(0.0)
+        return p * pow2n if inside else underflow
     return exp32
 
 
@@ -489,9 +495,10 @@ def _weighted4(p, r, j):
 @jit(contract=True)
 def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, prefetch):
     """``acc = alpha acc + p V`` per row, for the value rows ``vf[vo + j * vld:]``.
-    The loop kernel leaves keys of weight 0 out (a masked key's V may hold
-    inf or NaN, and 0 * inf is NaN); BLAS' product cannot, so
-    ``skip_masked`` sends a tile to the loop.
+    The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
+    masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
+    cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
+    whose weight underflowed to ``+0.0`` counts in both, as in the reference.
 
     The loop adds one key after another to each element (an FMA chain, no
     reassociation), whichever keys and rows it groups per pass: a row's bits
@@ -539,7 +546,7 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
                     continue
                 for jj in range(j, min(j + 4, n)):
                     w = p[rr, jj]
-                    if w != 0:
+                    if w != 0 or math.copysign(1.0, w) > 0:  # a masked key's -0.0 is left out
                         vj = at + np.uint64(jj) * ld
                         for d in range(d_v):
                             acc[rr, d] += w * vf[vj + np.uint64(d)]
@@ -652,7 +659,7 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
         if not m_new < inf or m_new == -inf:
             bad[r] |= m_new != -inf
             for j in range(n):
-                s[r, j] = 0.0
+                s[r, j] = -0.0  # no weight, masked: see _exp
             alpha[r] = 1.0
             continue
         if fast_sum:
