@@ -8,16 +8,12 @@ compile on their first call.
 
 __version__ = "0.1.0"
 
+from . import _threadpool  # noqa: F401 - threadpoolctl's threadpool_limits() caps numkv too
 from ._attention import attention
 from ._scatter import tensor_scatter
 from ._thread_limits import get_num_threads, set_num_threads
 from .cache import DynamicKVCache, StaticKVCache
 from .layers import CachedSelfAttention
-
-try:  # threadpool_limits() caps numkv too, where threadpoolctl (>= 3.5) is installed
-    from . import _threadpool  # noqa: F401
-except (ImportError, AttributeError):
-    pass
 
 __all__ = [
     "attention", "tensor_scatter", "DynamicKVCache", "StaticKVCache", "CachedSelfAttention",

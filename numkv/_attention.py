@@ -6,12 +6,13 @@ reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
 kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _config, _threads
+from . import _blas_threads, _config, _threads
 from ._dtypes import (byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
 from ._validate import as_array, as_float, as_int, as_int64, index_vector
@@ -21,25 +22,37 @@ from ._validate import as_array, as_float, as_int, as_int64, index_vector
 SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 
 # Tile policy.  A work item scores ``G * block_q`` query rows at once
-# (``ROWS_PER_TILE``) against ``block_k`` keys a tile.  With at least
-# ``BLAS_MIN_ROWS`` rows the products go to BLAS, split along the head size so
-# that each is within ``GEMM_MNK_LIMIT`` (OpenBLAS runs a gemm of M*N*K <=
-# 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread: it never starts
-# threads of its own inside numkv's).  Fewer rows (decode) take the loop
-# kernel.  Splitting the key range of few-query work into chunks keeps every
-# core busy: ``TARGET_ITEMS`` items (>= 4 per thread up to 64 threads), chunks
-# of at least ``MIN_CHUNK`` keys (shorter ones cost more in per-item work
-# than they gain); the chunk length depends on the shapes only, so results
-# do not depend on the thread count.  Calls of fewer than
-# ``SINGLE_THREAD_MACS`` multiply-adds stay on the calling thread: handing
-# out shares costs ~25 us, and on 2 cores the crossover measured between a
-# 2.2M (one thread faster: 0.27 vs 0.35 ms) and an 8.4M MAC decode (two
-# threads faster: 0.45 vs 0.68 ms).
-ROWS_PER_TILE = 128
+# against ``block_k`` keys a tile.
+#
+# * Prefill: with at least ``BLAS_MIN_ROWS`` rows, the two products of a tile
+#   are BLAS gemm calls, with BLAS held to one thread for the call
+#   (``_blas_threads``).  512 rows x 256 keys measured best of 128-512 x
+#   128-512 (Hq=32, Hkv=8, D=128, 2 threads: causal S=2048 338 ms, full
+#   S=1024 143 ms, against 499 and 218 ms with the split products below);
+#   the rows halve, down to ``MIN_ROWS_PER_TILE``, while there are fewer than
+#   ``TARGET_BLAS_ITEMS`` tiles (causal S=512: 256 rows, 26 ms).
+# * Where BLAS cannot be held to one thread, each product is split along the
+#   head size to stay within ``GEMM_MNK_LIMIT``: OpenBLAS runs a gemm of
+#   M*N*K <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread and
+#   never starts threads of its own inside numkv's.  Smaller tiles suit that.
+# * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile
+#   (best of 32-128).
+# * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
+#   items (>= 4 per thread up to 64 threads) of chunks of at least
+#   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
+#   gain); ``TARGET_BLAS_ITEMS`` for BLAS tiles, whose causal pairs balance
+#   already (a split full prefill S=1024 cost 198 against 160 ms).  The chunk
+#   length depends on the shapes only: results do not depend on the thread
+#   count.
+# * Calls of fewer than ``SINGLE_THREAD_MACS`` multiply-adds stay on the
+#   calling thread: handing out shares costs ~25 us, and on 2 cores the
+#   crossover measured between a 2.2M (one thread faster: 0.27 vs 0.35 ms)
+#   and an 8.4M MAC decode (two threads faster: 0.45 vs 0.68 ms).
 BLAS_MIN_ROWS = 16
-GEMM_MNK_LIMIT = 1 << 18
-BLOCK_K = 64  # keys a tile (measured best of 32-128 for the BLAS and the loop kernels alike)
-TARGET_ITEMS = 256
+ROWS_PER_TILE, MIN_ROWS_PER_TILE, BLAS_BLOCK_K = 512, 128, 256
+SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K, GEMM_MNK_LIMIT = 128, 64, 1 << 18
+LOOP_BLOCK_K = 64
+TARGET_ITEMS, TARGET_BLAS_ITEMS = 256, 64
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS = 1 << 22
 
@@ -139,12 +152,16 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     b, hq, sq, d = call.q.shape
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
     group = hq // hkv
-    auto_q, auto_k = _tiles(group, sq)
+    blas_rows = BLAS_MIN_ROWS if blas_rows is None else blas_rows
+    unsplit = group * sq >= blas_rows and _blas_threads.available()
+    auto_q, auto_k = _tiles(b * hkv, group, sq, blas_rows, unsplit)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
+    uses_blas = group * block_q >= blas_rows
     n_q_tiles = -(-sq // block_q)
     if kv_chunk is None:
-        kv_chunk = _kv_chunk(b * hkv * n_q_tiles, total, block_k)
+        kv_chunk = _kv_chunk(b * hkv * n_q_tiles, total, block_k,
+                             TARGET_BLAS_ITEMS if uses_blas else TARGET_ITEMS)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
     n_chunks = max(1, -(-total // kv_chunk))
     # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
@@ -156,8 +173,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
                    causal=int(call.is_causal), left=call.left, right=call.right,
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   blas_rows=BLAS_MIN_ROWS if blas_rows is None else blas_rows,
-                   gemm_limit=GEMM_MNK_LIMIT)
+                   blas_rows=blas_rows, gemm_limit=1 << 62 if unsplit else GEMM_MNK_LIMIT)
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     buffers, rows_desc = [], []
     for name in kernels.TENSORS[:5]:  # q, past_k, k, past_v, v: raw bytes
@@ -184,9 +200,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         part_acc = np.empty((1, 1, 1), call.acc_dtype)
     # The tiniest calls cost less than handing out shares to other threads.
     small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
-    _threads.run(kernels.attention_items, n_items * n_chunks, (
-        *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
-        kernels.FORMAT_TABLE, part_m, part_l, part_acc), small)
+    with _blas_threads.one_thread() if uses_blas and unsplit else contextlib.nullcontext():
+        _threads.run(kernels.attention_items, n_items * n_chunks, (
+            *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
+            kernels.FORMAT_TABLE, part_m, part_l, part_acc), small)
     if n_chunks > 1:  # merge the chunks' partial softmaxes
         _threads.run(kernels.attention_merge, n_items, (buffers[-1], ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
@@ -223,16 +240,23 @@ def _fields(names, **values):
     return np.array([values[name] for name in names], np.int64)
 
 
-def _tiles(group, sq):
-    """Default ``(block_q, block_k)`` for ``group`` query heads per kv head."""
-    return max(1, min(sq, ROWS_PER_TILE // group)), BLOCK_K
+def _tiles(heads, group, sq, blas_rows, unsplit):
+    """Default ``(block_q, block_k)`` for ``heads`` (batch x kv heads) of
+    ``group`` query heads each; ``unsplit``: BLAS products are held to one
+    thread, not split."""
+    rows, keys = (ROWS_PER_TILE, BLAS_BLOCK_K) if unsplit else (SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K)
+    while rows > MIN_ROWS_PER_TILE and heads * -(-sq // max(1, rows // group)) < TARGET_BLAS_ITEMS:
+        rows //= 2  # smaller tiles, for enough work items
+    block_q = max(1, min(sq, rows // group))
+    return block_q, keys if group * block_q >= blas_rows else LOOP_BLOCK_K
 
 
-def _kv_chunk(n_items, total, block_k):
-    """Key-range chunk length: split only when there are few work items."""
-    if n_items >= TARGET_ITEMS or total <= MIN_CHUNK:
+def _kv_chunk(n_items, total, block_k, target):
+    """Key-range chunk length: split only when there are fewer than
+    ``target`` work items."""
+    if n_items >= target or total <= MIN_CHUNK:
         return max(total, 1)
-    splits = -(-TARGET_ITEMS // n_items)
+    splits = -(-target // n_items)
     chunk = max(MIN_CHUNK, -(-total // splits))
     return -(-chunk // block_k) * block_k
 

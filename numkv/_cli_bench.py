@@ -293,7 +293,7 @@ def _have(module):
 
 def _set_threads(n):
     """Thread counts for every runtime: numkv's (``numkv.set_num_threads``);
-    BLAS (the GEMM limit, NumPy's matmuls) through threadpoolctl where installed;
+    BLAS (the GEMM limit, NumPy's matmuls) through threadpoolctl;
     onnxruntime's sessions take ``n`` when they are made."""
     if n is None:
         return nullcontext()
@@ -304,11 +304,9 @@ def _set_threads(n):
         import torch
 
         torch.set_num_threads(n)
-    if _have("threadpoolctl"):
-        from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits
 
-        return threadpool_limits(n, user_api="blas")
-    return nullcontext()
+    return threadpool_limits(n, user_api="blas")
 
 
 def machine_name():

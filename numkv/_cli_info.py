@@ -37,19 +37,17 @@ def _version(module_name):
 def blas_info():
     """``(scipy_blas, numpy_blas)`` as short strings.
 
-    threadpoolctl, if installed, names the libraries loaded in this process
-    (after importing SciPy's and NumPy's BLAS wrappers) with their versions
-    and thread counts; otherwise each package's build configuration says
-    what it was built against; otherwise "unknown".
+    threadpoolctl names the libraries loaded in this process (after importing
+    SciPy's and NumPy's BLAS wrappers) with their versions and thread counts;
+    where it does not, each package's build configuration says what it was
+    built against; otherwise "unknown".
     """
     try:
         import scipy.linalg.cython_blas  # noqa: F401  loads the library numba calls
     except ImportError:
         return "none: SciPy is not installed (numba's np.dot needs it)", _numpy_blas_config()
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return _config_blas("scipy"), _numpy_blas_config()
+    from threadpoolctl import threadpool_info
+
     scipy_blas = numpy_blas = None
     for lib in threadpool_info():
         if lib.get("user_api") != "blas":
@@ -76,6 +74,15 @@ def _config_blas(package):
 
 def _numpy_blas_config():
     return _config_blas("numpy")
+
+
+def products_info():
+    """How prefill tiles call BLAS in this process (``numkv._blas_threads``)."""
+    from numkv import _blas_threads
+
+    if _blas_threads.available():
+        return "whole tiles, OpenBLAS held to 1 thread during each call"
+    return "split to M*N*K <= 2**18 (a BLAS other than OpenBLAS: its threads cannot be held)"
 
 
 def threading_info():
@@ -140,6 +147,7 @@ def run(args=None):
     scipy_blas, numpy_blas = blas_info()
     print(f"BLAS numba calls (SciPy's): {scipy_blas}")
     print(f"NumPy's BLAS: {numpy_blas}")
+    print(f"prefill products: {products_info()}")
     threads, how = threading_info()
     env = ", ".join(f"{k}={os.environ[k]}" for k in
                     ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_THREADING_LAYER") if k in os.environ)

@@ -6,8 +6,7 @@ puts numkv among them.  threadpoolctl finds pools through the shared libraries
 loaded in the process, and numkv, pure Python, has none of its own: its
 controller is tied to ml_dtypes' extension, which ``import numkv`` always
 loads (so ``threadpool_info()`` lists numkv with that file as its
-``filepath``).  Imported by ``numkv/__init__.py`` only when threadpoolctl is
-installed: it costs ``import numkv`` 3-7 ms (measured; numkv never requires it).
+``filepath``).  Registering costs ``import numkv`` 3-7 ms (measured).
 """
 
 import threadpoolctl

@@ -78,7 +78,7 @@ def test_info_says_what_numkv_runs_on(capsys):
     out = capsys.readouterr().out
     assert f"numkv {numkv.__version__}" in out
     for field in ("numpy ", "numba ", "BLAS numba calls (SciPy's): ", "NumPy's BLAS: ",
-                  "threading: ", "kernel cache: "):
+                  "prefill products: ", "threading: ", "kernel cache: "):
         assert field in out, field
     assert f"threads: {numkv.get_num_threads()}, " in out
     assert "unknown" not in re.search(r"BLAS numba calls.*", out).group(0)  # SciPy is a dependency
