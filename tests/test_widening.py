@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import numkv
+from numkv import _attention
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
 
@@ -67,3 +69,32 @@ def test_the_arithmetic_decode_matches_the_tables(name):
     out = np.empty(patterns.size, np.float32)
     decode_all(patterns, kernels.FORMAT_TABLE, out)
     assert_same_floats(out, decode_table(dtype))
+
+
+# -- and back: a float16 Y -----------------------------------------------------------
+
+
+def test_float16_y_narrowing_equals_numpys_cast():
+    # Every float16 result: all float32 patterns whose top 19 bits vary, with
+    # low bits at the rounding boundaries (ties, just below, just above), and
+    # the quiet NaNs (a signalling NaN never comes out of the kernel).
+    top = np.arange(1 << 19, dtype=np.uint32) << 13
+    x = np.concatenate([top | low for low in (0, 0xFFF, 0x1000, 0x1001, 0x1FFF)]).view(np.float32)
+    x = x[~np.isnan(x) | ((x.view(np.uint32) & 0x00400000) != 0)]
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    got = _attention._to_float16(x)
+    assert got.dtype == np.float16 and got.shape == x.shape
+    bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
+    assert bad.size == 0, f"{bad.size} differ, e.g. float32 bits {x[bad[:4]].view(np.uint32)}"
+
+
+def test_float16_prefill_takes_the_narrowing_kernel(monkeypatch):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 4, 160, 128)).astype(np.float16)
+    k = rng.standard_normal((1, 2, 160, 128)).astype(np.float16)
+    v = rng.standard_normal((1, 2, 160, 128)).astype(np.float16)
+    assert q.size >= _attention.NARROW_MIN
+    narrowed = numkv.attention(q, k, v, is_causal=True)
+    monkeypatch.setattr(_attention, "NARROW_MIN", q.size + 1)
+    assert np.array_equal(numkv.attention(q, k, v, is_causal=True).view(np.uint16), narrowed.view(np.uint16))
