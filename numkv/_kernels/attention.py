@@ -20,9 +20,10 @@ Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
 item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
 against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
-(prefill) take BLAS ``gemm`` (``_gemm``), each call split to stay within
-OpenBLAS' single-thread size; few rows (decode) take a loop that scores two
-rows against four keys per pass (``_scores``, ``_accumulate``).
+(prefill) take BLAS ``gemm`` (``_gemm``): whole, while the wrapper holds
+BLAS to one thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
+single-thread size); few rows (decode) take a loop that scores two rows
+against four keys per pass (``_scores``, ``_accumulate``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -35,8 +36,9 @@ that cross an interval's end, or meet the mask, take the masked path; tiles
 outside every row's interval are never loaded.  Masking *sets* ``-inf`` (it
 never adds to the score), its weight is ``-0.0``, and ``P V`` leaves such keys
 out whenever a tile's V holds a non-finite value: an excluded key never
-influences Y, whatever its K or V hold.  A NaN or ``+inf`` among the attended scores makes the row NaN (as
-the reference's softmax does), wherever the key sits.
+influences Y, whatever its K or V hold.  A NaN or ``+inf`` among the
+attended scores makes the row NaN (as the reference's softmax does), wherever
+the key sits.
 
 Parallel strategy: ``attention_items(first, stop, ...)`` computes work items
 ``(b, kv_head, unit, chunk)`` ``first .. stop``; ``numkv._threads`` hands
@@ -52,8 +54,8 @@ a kernel's own file only.
 
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
--1), tiles >= 1, ``Hq % Hkv ==
-0``, the partial buffers hold ``n_items * n_chunks`` entries when split.
+-1), tiles >= 1, ``Hq % Hkv == 0``, the partial buffers hold ``n_items *
+n_chunks`` entries when split.
 """
 
 import math
