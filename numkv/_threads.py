@@ -3,8 +3,9 @@
 numkv does not use numba's threading layers (``prange``).  Each kernel is a
 serial, ``nogil`` numba function over a range of independent work items,
 ``kernel(first, stop, *args)``; ``run`` cuts ``[0, n_items)`` into contiguous
-shares, one per thread, hands all but the first to persistent worker threads
-and runs the first on the calling thread.  Why:
+shares, one per thread (or hands every thread the whole range, for a kernel
+that claims items from a shared counter), hands all but the first to
+persistent worker threads and runs the first on the calling thread.  Why:
 
 * compile time: a ``parallel=True`` build of the attention kernel cost ~12 s
   more on a cold cache (numba's parfor passes and two more LLVM passes over the
@@ -84,22 +85,26 @@ _pool = _Pool()
 os.register_at_fork(after_in_child=_pool.forget)
 
 
-def run(kernel, n_items, args, small=False):
+def run(kernel, n_items, args, small=False, claimed=False):
     """``kernel(first, stop, *args)`` over the items ``[0, n_items)``, split
-    into contiguous shares over numkv's threads; ``small`` work (below the
-    point where handing out shares costs more than it saves) runs on the
-    calling thread alone."""
+    into contiguous shares over numkv's threads, or, ``claimed``, the whole
+    range to every thread (the kernel claims items one at a time from a
+    counter among ``args``); ``small`` work (below the point where handing
+    out shares costs more than it saves) runs on the calling thread alone."""
     threads = 1 if small else min(_thread_limits.get_num_threads(), n_items, MAX_WORKERS + 1)
     if threads <= 1:
         kernel(0, n_items, *args)
         return
-    bounds = [n_items * t // threads for t in range(threads + 1)]
+    if claimed:
+        shares = [(0, n_items)] * threads
+    else:
+        bounds = [n_items * t // threads for t in range(threads + 1)]
+        shares = list(zip(bounds, bounds[1:]))
     done = queue.SimpleQueue()
-    sequence = _pool.submit([(kernel, first, stop, args, done)
-                             for first, stop in zip(bounds[1:], bounds[2:])])
+    sequence = _pool.submit([(kernel, first, stop, args, done) for first, stop in shares[1:]])
     error = None
     try:
-        kernel(bounds[0], bounds[1], *args)
+        kernel(*shares[0], *args)
     except BaseException as exc:
         error = exc
     from ._kernels.pool import wait_at_least

@@ -142,18 +142,22 @@ def test_kernel_matches_reference_path(args, tile):
     assert_close_f32(got, want, args)
 
 
-def run_on_threads(call, threads, **kwargs):
+def run_on_threads(call, threads, claim=False, **kwargs):
     """``_attention.run`` with numkv's pool at ``threads`` threads, no call
-    treated as small (so the work really is split), and a check that it was."""
+    treated as small (so the work really is split), and a check that it was.
+    Items go in equal contiguous shares to the threads (so each thread really
+    computes some), or, ``claim``, one at a time to whichever asks first."""
     shares = []
     run = _threads.run
 
-    def spy(kernel, n_items, args, small=False):
+    def spy(kernel, n_items, args, small=False, claimed=False):
+        assert claimed == (claim and kernel.__name__ == "attention_items")
         shares.append(1 if small else min(threads, n_items))
-        return run(kernel, n_items, args, small)
+        return run(kernel, n_items, args, small, claimed)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_attention, "SINGLE_THREAD_MACS", 0)
+        mp.setattr(_attention, "CLAIM_ITEMS", claim)
         mp.setattr(_thread_limits, "get_num_threads", lambda: threads)
         mp.setattr(_threads, "run", spy)
         y = _attention.run(call, **kwargs)
@@ -179,6 +183,21 @@ def assert_same_on_threads(call, counts, **kwargs):
         assert used == threads
         assert_same_bits(other, one)
     return one
+
+
+def test_claimed_items_give_the_bits_of_one_thread():
+    # Threads claiming items one at a time (the default): whichever thread
+    # computes an item, and in whatever order, Y has the same bits.
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 4, 70, 16), np.float32)
+    k = rng.standard_normal((2, 2, 900, 16), np.float32)
+    v = rng.standard_normal((2, 2, 900, 16), np.float32)
+    for call in (_attention.prepare(q, k, v, is_causal=True),
+                 _attention.prepare(q[:, :, :1], k, v)):  # a split decode: chunks, then the merge
+        for tiles in ({}, {"block_q": 4}):
+            one, _ = run_on_threads(call, 1, **tiles)
+            for threads in (2, 3, 2, 3):
+                assert_same_bits(run_on_threads(call, threads, claim=True, **tiles)[0], one)
 
 
 def test_thread_count_does_not_change_y_prefill():

@@ -41,9 +41,9 @@ def two_blas_threads():
 def test_prefill_holds_blas_to_one_thread_and_gives_it_back(monkeypatch, two_blas_threads):
     seen, run = [], _threads.run
 
-    def watching(kernel, n_items, args, small):
+    def watching(kernel, n_items, args, small=False, claimed=False):
         seen.append((kernel.__name__, blas_counts()))
-        return run(kernel, n_items, args, small)
+        return run(kernel, n_items, args, small, claimed)
 
     monkeypatch.setattr(_threads, "run", watching)
     q, k, v = prefill()

@@ -239,11 +239,11 @@ def _in_worker(seed):
     k = rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
     used, run = set(), _threads.run
 
-    def spy(kernel, n_items, args, small=False):
+    def spy(kernel, n_items, args, small=False, claimed=False):
         def counted(first, stop, *a):
             used.add(threading.get_ident())
             return kernel(first, stop, *a)
-        return run(counted, n_items, args, small)
+        return run(counted, n_items, args, small, claimed)
 
     _threads.run = spy
     try:

@@ -302,10 +302,10 @@ def spy_kernels(monkeypatch):
     calls = {"serial": 0, "parallel": 0}
     run = _threads.run
 
-    def spy(kernel, n_items, args, small=False):
+    def spy(kernel, n_items, args, small=False, claimed=False):
         if kernel is scatter_kernels.scatter_items:
             calls["serial" if small else "parallel"] += 1
-        return run(kernel, n_items, args, small)
+        return run(kernel, n_items, args, small, claimed)
 
     monkeypatch.setattr(_threads, "run", spy)
     return calls

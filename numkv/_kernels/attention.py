@@ -392,6 +392,20 @@ def _exp_impl(x):
 
 
 @intrinsic
+def _claim(typingctx, counter):
+    """``counter[0]``, atomically incremented: the next item for whichever
+    thread asks first."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen
+
+
+@intrinsic
 def _gemm(typingctx, a, b, c, beta, trans_b):
     """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
     unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
@@ -696,8 +710,12 @@ def _row_bounds(i, off, valid, causal, left, right):
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, part_m, part_l, part_acc):
-    """Work items ``first .. stop``.  An item ``(b, kv_head, unit, chunk)``
+                    table, formats, part_m, part_l, part_acc, counter):
+    """Work items ``first .. stop``, in order; or, where ``counter`` has an
+    element, claimed one at a time (``first + counter[0]``, atomically) by
+    every thread running this call over the same range, so that a thread
+    that starts late (a sleeping worker takes ~50 us to wake on a VM) or runs
+    slow takes fewer.  An item ``(b, kv_head, unit, chunk)``
     covers all ``G`` heads of the kv head for a pair of query tiles over every
     key, or for one query tile over one chunk of keys (its partial softmax then
     goes to ``part_*``, for ``attention_merge``).  (One function, not a loop
@@ -710,14 +728,18 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     has_mask = ints[HAS_MASK] != 0
     acc_code = _code_of(y)
     dt = y.dtype
-    # Scratch for one item at a time, allocated once per share of items.
+    # Scratch for one item at a time, allocated once per call of this function.
     rows_max = group * bq
     qbuf, kbuf, vbuf = np.empty(rows_max * d_k, dt), np.empty(bk * d_k, dt), np.empty(bk * d_v, dt)
     sbuf = np.empty(rows_max * bk, dt)
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.bool_)
-    for work in range(first, stop):
+    claiming = counter.size > 0
+    for index in range(first, stop):
+        work = first + _claim(counter) if claiming else index
+        if work >= stop:  # every item is taken
+            break
         item, c = work // n_ch, work % n_ch
         b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
         hk, unit = rest // n_units, rest % n_units
