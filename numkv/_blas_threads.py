@@ -12,7 +12,7 @@ too.  (numkv calls OpenBLAS's setter itself: threadpoolctl's ignores every
 Python thread but the first that used it.)
 
 Where a BLAS library is not OpenBLAS (MKL, BLIS: no hold implemented), or
-none is found, ``one_thread`` yields False and the kernel splits each product
+none is found, ``available()`` is False and the kernel splits each product
 to stay within OpenBLAS's single-thread size (M*N*K <= 2**18, where OpenBLAS
 never starts its threads): correct, ~1.4x slower on a prefill (measured, see
 ``numkv/_attention.py``).
@@ -65,21 +65,18 @@ def available():
 @contextlib.contextmanager
 def one_thread():
     """Hold every OpenBLAS to one thread inside the block (nested and
-    concurrent blocks share one hold); yields ``available()``."""
+    concurrent blocks share one hold; nothing where ``available()`` is
+    False)."""
     global _users, _saved
-    controllers = _blas_controllers()
-    if not controllers:
-        yield False
-        return
     with _lock:
         if _users == 0:
-            _saved = [(put, get()) for get, put in controllers]
+            _saved = [(put, get()) for get, put in _blas_controllers()]
             for put, n in _saved:
                 if n != 1:
                     put(1)
         _users += 1
     try:
-        yield True
+        yield
     finally:
         with _lock:
             _users -= 1

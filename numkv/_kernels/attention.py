@@ -41,10 +41,11 @@ attended scores makes the row NaN (as the reference's softmax does), wherever
 the key sits.
 
 Parallel strategy: ``attention_items(first, stop, ...)`` computes work items
-``(b, kv_head, unit, chunk)`` ``first .. stop``; ``numkv._threads`` hands
-contiguous ranges of them to its threads.  A unit is a pair of query tiles
+``(b, kv_head, unit, chunk)`` ``first .. stop``; every thread of
+``numkv._threads`` runs it over the whole range, claiming items one at a time
+(or, for tests, over a contiguous share).  A unit is a pair of query tiles
 ``(t, n_tiles - 1 - t)``: causal tiles cost in proportion to their index, so
-every pair costs the same and equal shares of items balance.  Few query tiles
+every pair costs the same.  Few query tiles
 (decode) split the key range into chunks instead, of a length set by the
 shapes only; ``attention_merge`` then combines the partial softmaxes in chunk
 order, so results do not depend on the thread count.
