@@ -9,6 +9,7 @@
 * ``scale`` beyond float32's range gives the reference's float32 values.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -217,3 +218,28 @@ def test_a_float_mask_with_misaligned_strides_is_read_correctly(rng, dtype):
     expected = numkv.attention(q.astype(acc), k.astype(acc), v.astype(acc), attn_mask=values.copy())
     got = numkv.attention(q.astype(acc), k.astype(acc), v.astype(acc), attn_mask=odd)
     assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_narrow_cache_read_in_place_keeps_the_rules(rng, kv_dtype, value):
+    """Decode reads a bfloat16 / float16 K and V as they are, widening while
+    it computes (no tile copy): the same rules hold there."""
+    dtype = np.dtype(getattr(ml_dtypes, kv_dtype, None) or kv_dtype)
+    q, k, v = inputs(rng, sq=1)
+    k, v = k.astype(dtype), v.astype(dtype)
+    mask = np.ones(96, bool)
+    mask[10:30] = False
+    for attrs in (dict(nonpad_kv_seqlen=np.array([70])), dict(attn_mask=mask)):
+        clean = numkv.attention(q, k, v, **attrs)
+        np.testing.assert_allclose(clean, numkv.attention(q, k.astype(np.float32), v.astype(np.float32),
+                                                          **attrs), rtol=1e-5, atol=1e-6)
+        dirty_k, dirty_v = k.copy(), v.copy()
+        excluded = slice(70, None) if "nonpad_kv_seqlen" in attrs else slice(10, 30)
+        dirty_k[:, :, excluded] = value
+        dirty_v[:, :, excluded] = value
+        assert np.array_equal(numkv.attention(q, dirty_k, dirty_v, **attrs), clean)
+    k[0, 1, 40, 3] = np.nan  # an attended key of kv head 1: query heads 2 and 3
+    expected = np.zeros((B, HQ, 1), bool)
+    expected[0, 2:] = True
+    assert (nan_rows(numkv.attention(q, k, v)) == expected).all()

@@ -11,7 +11,9 @@ transposes and cache slices are read in place and one compiled kernel serves
 every input dtype.  Elements are widened into tiles of the accumulation dtype
 (float32, or float64 for float64 Q / ``softmax_precision`` DOUBLE), one tile
 at a time, never the whole cache (``_widen_rows``); K/V rows already in the
-accumulation dtype, unit stride, are read in place.  Keys ``j < P`` come from
+accumulation dtype, unit stride, are read in place, and so are bfloat16 and
+float16 rows in decode, widened element by element as the loops use them
+(``_element``: half the bytes read, no tile copy).  Keys ``j < P`` come from
 the past buffers, the rest from the new K/V (no concatenation).  ``mask``
 (additive) and ``y`` are flat accumulation-dtype buffers with rows of
 ``desc`` too.
@@ -308,19 +310,43 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
 
 
 @jit(inline=True)
+def _tile_origin(j0, b, hk, desc, t):
+    """``(at, ld)``: key ``j0 + j``'s row of tensor ``t`` starts at element
+    ``at + j * ld`` of its buffer."""
+    at = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
+    return at, desc[t, STRIDE_S]
+
+
+@jit(inline=True)
 def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(flat,
     at, ld, in_place)``: key ``j``'s row is ``flat[at + j * ld:][:width]``.
     The buffer itself where it holds unit-stride rows of the accumulation
     dtype (no copy), else ``scratch`` filled by widening."""
-    base = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
-    code, seq_stride = desc[t, DTYPE], desc[t, STRIDE_S]
+    base, seq_stride = _tile_origin(j0, b, hk, desc, t)
+    code = desc[t, DTYPE]
     if code == acc_code and desc[t, STRIDE_D] == 1 and (seq_stride >= width or n == 1):
         return _as_acc(buf, scratch), base, max(seq_stride, width), True
     first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
     _widen_rows(scratch[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
                 seq_stride, desc[t, STRIDE_D], table, formats)
     return scratch, first_row, width, False
+
+
+def _element(flat, i, code):
+    """``flat[i]`` as a float: a float32/float64 buffer's element as it is;
+    a uint16 buffer holds bfloat16 or float16 bits (``code``), widened as
+    they are read (decode reads a narrow cache so, with no tile copy)."""
+
+
+@overload(_element)
+def _element_impl(flat, i, code):
+    if flat.dtype == types.uint16:
+        def widen(flat, i, code):
+            h = flat[i]
+            return _float32_from_bits(np.uint32(h) << 16) if code == BF16 else _half_to_float32(h)
+        return widen
+    return lambda flat, i, code: flat[i]
 
 
 @jit(inline=True)
@@ -451,8 +477,80 @@ def _gemm(typingctx, a, b, c, beta, trans_b):
 # -- the two matrix products ----------------------------------------------------------
 
 
+def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit):
+    """``s = qt K^T`` by BLAS, split along d so that each product stays within
+    ``gemm_limit`` (nothing for narrow bits: BLAS tiles are always widened)."""
+
+
+@overload(_gemm_scores)
+def _gemm_scores_impl(qt, kf, ko, kld, s, rows, n, gemm_limit):
+    if kf.dtype == types.uint16:
+        return lambda qt, kf, ko, kld, s, rows, n, gemm_limit: None
+
+    def products(qt, kf, ko, kld, s, rows, n, gemm_limit):
+        d_k = qt.shape[1]
+        kt = _rows_view(kf, ko, kld, n, d_k)
+        part = max(1, min(d_k, gemm_limit // (rows * n)))
+        for d0 in range(0, d_k, part):
+            _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True)
+    return products
+
+
+def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit):
+    """``acc += p V`` by BLAS, split as ``_gemm_scores``."""
+
+
+@overload(_gemm_accumulate)
+def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit):
+    if vf.dtype == types.uint16:
+        return lambda p, vf, vo, vld, acc, rows, n, gemm_limit: None
+
+    def products(p, vf, vo, vld, acc, rows, n, gemm_limit):
+        d_v = acc.shape[1]
+        vt = _rows_view(vf, vo, vld, n, d_v)
+        part = max(1, min(d_v, gemm_limit // (rows * n)))
+        for d0 in range(0, d_v, part):
+            _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False)
+    return products
+
+
+def _scores_narrow(qt, buf, ko, kld, s, rows, n, code):
+    """``_scores`` reading bfloat16 or float16 keys (``code``) as they are,
+    from the raw bytes ``buf``: decode on a narrow cache, with no tile copy.
+    Only where the accumulation is float32 (``qt``): for float64 nothing is
+    compiled (that kernel always widens into tiles)."""
+
+
+@overload(_scores_narrow)
+def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code):
+    if qt.dtype != types.float32:
+        return lambda qt, buf, ko, kld, s, rows, n, code: None
+    return lambda qt, buf, ko, kld, s, rows, n, code: _scores(
+        qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, True, code)
+
+
+def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code):
+    """``_accumulate`` reading bfloat16 or float16 values as they are (as
+    ``_scores_narrow``; the loop leaves masked keys out by their weights)."""
+
+
+@overload(_accumulate_narrow)
+def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code):
+    if acc.dtype != types.float32:
+        return lambda p, buf, vo, vld, acc, alpha, rows, n, code: None
+    return lambda p, buf, vo, vld, acc, alpha, rows, n, code: _accumulate(
+        p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, True, code)
+
+
+@jit(inline=True)
+def _reads_narrow(desc, t):
+    """Whether tensor ``t`` holds bfloat16 or float16 rows of unit stride
+    (what ``_scores_narrow`` / ``_accumulate_narrow`` read in place)."""
+    return (desc[t, DTYPE] == BF16 or desc[t, DTYPE] == F16) and desc[t, STRIDE_D] == 1
+
+
 @jit(reassociate=True)
-def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch):
+def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch, code):
     """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
     for many rows, else a loop that scores two query rows against four keys
     per pass over ``d`` (six loads feed eight vectorised FMAs; one row against
@@ -460,13 +558,10 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch):
     key repeats it: every score then comes from the same vectorised sum, so
     its bits depend neither on the number of rows (GQA equals MHA with K/V
     repeated) nor on the tile's length (a masked key at its end changes
-    nothing)."""
+    nothing).  ``kf`` may hold narrow bits (``_element``; the loop only)."""
     d_k = qt.shape[1]
-    if use_blas:  # split along d: each product within the single-thread size
-        kt = _rows_view(kf, ko, kld, n, d_k)
-        part = max(1, min(d_k, gemm_limit // (rows * n)))
-        for d0 in range(0, d_k, part):
-            _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True)
+    if use_blas:
+        _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit)
         return
     zero = s.dtype.type(0.0)
     # Unsigned offsets: no negative-index wraparound, so the loads vectorise.
@@ -488,7 +583,8 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch):
             for d in range(d_k):
                 q0, q1 = qt[r, d], qt[r1, d]
                 u = np.uint64(d)
-                x0, x1, x2, x3 = kf[k0 + u], kf[k1 + u], kf[k2 + u], kf[k3 + u]
+                x0, x1 = _element(kf, k0 + u, code), _element(kf, k1 + u, code)
+                x2, x3 = _element(kf, k2 + u, code), _element(kf, k3 + u, code)
                 a0 += q0 * x0
                 a1 += q0 * x1
                 a2 += q0 * x2
@@ -510,7 +606,7 @@ def _weighted4(p, r, j):
 
 
 @jit(contract=True)
-def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, prefetch):
+def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, prefetch, code):
     """``acc = alpha acc + p V`` per row, for the value rows ``vf[vo + j * vld:]``.
     The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
     masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
@@ -527,11 +623,8 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
         if a != 1.0:
             for d in range(d_v):
                 acc[r, d] *= a
-    if use_blas and not skip_masked:  # split along d: each product within the single-thread size
-        vt = _rows_view(vf, vo, vld, n, d_v)
-        part = max(1, min(d_v, gemm_limit // (rows * n)))
-        for d0 in range(0, d_v, part):
-            _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False)
+    if use_blas and not skip_masked:
+        _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit)
         return
     at, ld = np.uint64(vo), np.uint64(vld)
     ahead = np.uint64(PREFETCH_KEYS) * ld
@@ -548,7 +641,8 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
                 b0, b1, b2, b3 = p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3]
                 for d in range(d_v):
                     u = np.uint64(d)
-                    w0, w1, w2, w3 = vf[v0 + u], vf[v1 + u], vf[v2 + u], vf[v3 + u]
+                    w0, w1 = _element(vf, v0 + u, code), _element(vf, v1 + u, code)
+                    w2, w3 = _element(vf, v2 + u, code), _element(vf, v3 + u, code)
                     acc[r, d] += (a0 * w0 + a1 * w1) + (a2 * w2 + a3 * w3)
                     acc[r + 1, d] += (b0 * w0 + b1 * w1) + (b2 * w2 + b3 * w3)
                 continue
@@ -558,15 +652,15 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
                     a0, a1, a2, a3 = p[rr, j], p[rr, j + 1], p[rr, j + 2], p[rr, j + 3]
                     for d in range(d_v):
                         u = np.uint64(d)
-                        acc[rr, d] += ((a0 * vf[v0 + u] + a1 * vf[v1 + u])
-                                       + (a2 * vf[v2 + u] + a3 * vf[v3 + u]))
+                        acc[rr, d] += ((a0 * _element(vf, v0 + u, code) + a1 * _element(vf, v1 + u, code))
+                                       + (a2 * _element(vf, v2 + u, code) + a3 * _element(vf, v3 + u, code)))
                     continue
                 for jj in range(j, min(j + 4, n)):
                     w = p[rr, jj]
                     if w != 0 or math.copysign(1.0, w) > 0:  # a masked key's -0.0 is left out
                         vj = at + np.uint64(jj) * ld
                         for d in range(d_v):
-                            acc[rr, d] += w * vf[vj + np.uint64(d)]
+                            acc[rr, d] += w * _element(vf, vj + np.uint64(d), code)
 
 
 @jit()
@@ -782,27 +876,38 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
                                  + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
                 use_blas = rows >= ints[BLAS_ROWS]
+                # Decode reads bfloat16 / float16 K and V in place, widening as it goes.
+                narrow = not use_blas and acc_code == F32
                 # Two segments: past keys, then new keys (a tile never straddles them).
                 for seg in range(2):
                     seg_lo, seg_hi = (t_lo, min(t_hi, past - 1)) if seg == 0 else (max(t_lo, past), t_hi)
                     kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
-                        kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
-                                                           table, formats, acc_code)
                         s = sbuf[:rows * n].reshape((rows, n))
-                        _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], k_in_place)
+                        if narrow and _reads_narrow(desc, tk):
+                            ko, kld = _tile_origin(j0 - shift, b, hk, desc, tk)
+                            _scores_narrow(qt, kb, ko, kld, s, rows, n, desc[tk, DTYPE])
+                        else:
+                            kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
+                                                               table, formats, acc_code)
+                            _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], k_in_place,
+                                    acc_code)
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                         _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
-                        vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
-                                                           table, formats, acc_code)
-                        skip_masked = edge and not _all_finite(vf, vo, vld, n, d_v)
-                        _accumulate(s, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                    ints[GEMM_LIMIT], v_in_place)
+                        if narrow and _reads_narrow(desc, tv):
+                            vo, vld = _tile_origin(j0 - shift, b, hk, desc, tv)
+                            _accumulate_narrow(s, vb, vo, vld, acc, alpha, rows, n, desc[tv, DTYPE])
+                        else:
+                            vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
+                                                               table, formats, acc_code)
+                            skip_masked = edge and not _all_finite(vf, vo, vld, n, d_v)
+                            _accumulate(s, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
+                                        ints[GEMM_LIMIT], v_in_place, acc_code)
 
             if split:
                 for r in range(rows):
