@@ -6,7 +6,6 @@ reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
 kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -25,16 +24,16 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # against ``block_k`` keys a tile.
 #
 # * Prefill: with at least ``BLAS_MIN_ROWS`` rows, the two products of a tile
-#   are BLAS gemm calls, with BLAS held to one thread for the call
-#   (``_blas_threads``).  512 rows x 256 keys measured best of 128-512 x
-#   128-512 (Hq=32, Hkv=8, D=128, 2 threads: causal S=2048 338 ms, full
-#   S=1024 143 ms, against 499 and 218 ms with the split products below);
-#   the rows halve, down to ``MIN_ROWS_PER_TILE``, while there are fewer than
+#   are BLAS gemm calls.  Where BLAS runs on one thread (``_blas_threads``),
+#   whole: 512 rows x 256 keys measured best of 128-512 x 128-512 (Hq=32,
+#   Hkv=8, D=128, 2 threads: causal S=2048 338 ms, full S=1024 143 ms,
+#   against 499 and 218 ms with the split products below); the rows halve,
+#   down to ``MIN_ROWS_PER_TILE``, while there are fewer than
 #   ``TARGET_BLAS_ITEMS`` tiles (causal S=512: 256 rows, 26 ms).
-# * Where BLAS cannot be held to one thread, each product is split along the
+# * Where BLAS may start threads of its own, each product is split along the
 #   head size to stay within ``GEMM_MNK_LIMIT``: OpenBLAS runs a gemm of
 #   M*N*K <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread and
-#   never starts threads of its own inside numkv's.  Smaller tiles suit that.
+#   never starts threads inside numkv's.  Smaller tiles suit that.
 # * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile
 #   (best of 32-128).
 # * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
@@ -178,7 +177,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
     group = hq // hkv
     blas_rows = BLAS_MIN_ROWS if blas_rows is None else blas_rows
-    unsplit = group * sq >= blas_rows and _blas_threads.available()
+    unsplit = group * sq >= blas_rows and _blas_threads.single_threaded()
     auto_q, auto_k = _tiles(b * hkv, group, sq, blas_rows, unsplit)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
@@ -227,10 +226,9 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
     claimed = CLAIM_ITEMS and not small
     counter = np.zeros(1 if claimed else 0, np.int64)
-    with _blas_threads.one_thread() if uses_blas and unsplit else contextlib.nullcontext():
-        _threads.run(kernels.attention_items, n_items * n_chunks, (
-            *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
-            kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter), small, claimed)
+    _threads.run(kernels.attention_items, n_items * n_chunks, (
+        *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
+        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter), small, claimed)
     if n_chunks > 1:  # merge the chunks' partial softmaxes
         _threads.run(kernels.attention_merge, n_items, (buffers[-1], ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)

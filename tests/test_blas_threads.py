@@ -1,24 +1,24 @@
-"""BLAS held to one thread while prefill tiles call it (``numkv._blas_threads``).
+"""Prefill's products and the BLAS thread count (``numkv._blas_threads``).
 
-A BLAS allowed several threads, called from every numkv thread at once,
-splits each product over a pool of its own that fights numkv's; numkv holds
-every BLAS library to one thread for the call and gives the count back after.
+numkv never changes another library's thread count (API.md).  Where every
+BLAS already runs on one thread, prefill calls it on whole tiles; where a
+BLAS may start threads of its own (which would fight numkv's), each product
+is split to the size OpenBLAS keeps on the calling thread.
 """
 
-import os
 import threading
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 import numkv
-from numkv import _attention, _blas_threads, _threads
 import oracle
+from numkv import _attention, _blas_threads, _threads
 from test_attention import tolerance
 
 
-def prefill(seed=0, sq=96, hq=4, hkv=2, d=32):
+def prefill(seed=0, sq=200, hq=4, hkv=2, d=96):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, hq, sq, d), np.float32)
     k = rng.standard_normal((1, hkv, sq, d), np.float32)
@@ -27,49 +27,67 @@ def prefill(seed=0, sq=96, hq=4, hkv=2, d=32):
 
 
 def blas_counts():
-    return [get() for get, _ in _blas_threads._blas_controllers()]
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
 
 
-@pytest.fixture
-def two_blas_threads():
-    """BLAS allowed two threads, as a host with two cores sets it."""
-    assert _blas_threads.available(), "no BLAS library found: the held path is untested"
-    with threadpool_limits(limits=2, user_api="blas"):
-        yield
-
-
-def test_prefill_holds_blas_to_one_thread_and_gives_it_back(monkeypatch, two_blas_threads):
+def gemm_limits(monkeypatch):
+    """The ``gemm_limit`` of every attention kernel run (huge: whole tiles)."""
     seen, run = [], _threads.run
 
     def watching(kernel, n_items, args, small=False, claimed=False):
-        seen.append((kernel.__name__, blas_counts()))
+        if kernel.__name__ == "attention_items":
+            ints = args[7]
+            seen.append((int(ints[kernel_fields().index("gemm_limit")]), blas_counts()))
         return run(kernel, n_items, args, small, claimed)
 
     monkeypatch.setattr(_threads, "run", watching)
+    return seen
+
+
+def kernel_fields():
+    from numkv._kernels import attention
+
+    return list(attention.INT_FIELDS)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("blas", [1, 2])
+def test_prefill_products_follow_the_blas_thread_count(monkeypatch, causal, blas):
     q, k, v = prefill()
-    numkv.attention(q, k, v, is_causal=True)
-    assert seen and all(counts == [1] * len(counts) for _, counts in seen), seen
-    assert blas_counts() == [2] * len(blas_counts())
+    _blas_threads.single_threaded()  # loads SciPy's BLAS: threadpool_limits reaches loaded libraries only
+    with threadpool_limits(limits=blas, user_api="blas"):
+        assert _blas_threads.single_threaded() == (blas == 1)
+        limits = gemm_limits(monkeypatch)
+        y = numkv.attention(q, k, v, is_causal=causal)
+        # whole tiles on one BLAS thread, else products within OpenBLAS' single-thread size
+        assert [limit for limit, _ in limits] == [1 << 62 if blas == 1 else _attention.GEMM_MNK_LIMIT]
+        assert all(counts == [blas] * len(counts) for _, counts in limits)  # never changed
+        assert blas_counts() == [blas] * len(blas_counts())
+    expected = oracle.attention(q, k, v, is_causal=causal)[0]
+    rtol, atol = tolerance(np.float32)
+    np.testing.assert_allclose(y, expected, rtol=rtol, atol=atol)
 
 
-def test_decode_leaves_blas_alone(monkeypatch, two_blas_threads):
-    def refuse():
-        raise AssertionError("a decode step took the BLAS hold")
+def test_a_blas_that_is_not_openblas_counts_as_multithreaded(monkeypatch):
+    _blas_threads.single_threaded()
+    monkeypatch.setattr(_blas_threads, "_getters", [None])
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert not _blas_threads.single_threaded()
+    monkeypatch.setattr(_blas_threads, "_getters", [])
+    assert not _blas_threads.single_threaded()
 
-    monkeypatch.setattr(_blas_threads, "one_thread", refuse)
-    q, k, v = prefill(sq=64)
-    numkv.attention(q[:, :, :1], k, v)  # 2 query rows a kv head: the loop kernel
 
-
-def test_concurrent_calls_share_one_hold(two_blas_threads):
+def test_concurrent_prefills_leave_blas_alone():
     q, k, v = prefill(sq=160)
+    before = blas_counts()
     expected = numkv.attention(q, k, v, is_causal=True)
-    results, errors = [], []
+    seen, errors = [], []
 
     def worker():
         try:
-            for _ in range(6):
-                results.append(numkv.attention(q, k, v, is_causal=True))
+            for _ in range(5):
+                seen.append(blas_counts())
+                assert np.array_equal(numkv.attention(q, k, v, is_causal=True), expected)
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -79,34 +97,4 @@ def test_concurrent_calls_share_one_hold(two_blas_threads):
     for w in workers:
         w.join()
     assert not errors
-    assert len(results) == 18 and all(np.array_equal(r, expected) for r in results)
-    assert _blas_threads._users == 0
-    assert blas_counts() == [2] * len(blas_counts())
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_split_products_where_blas_cannot_be_held(monkeypatch, causal):
-    # No BLAS library found: each product is split along the head size to
-    # stay within OpenBLAS's single-thread size, on smaller tiles.
-    q, k, v = prefill(sq=200, d=96)
-    held = numkv.attention(q, k, v, is_causal=causal)
-    monkeypatch.setattr(_blas_threads, "_controllers", [])
-    assert not _blas_threads.available()
-    split = numkv.attention(q, k, v, is_causal=causal)
-    assert _attention._tiles(2, 2, 200, 16, False) == (64, _attention.SPLIT_BLOCK_K)
-    expected = oracle.attention(q, k, v, is_causal=causal)[0]
-    rtol, atol = tolerance(np.float32)
-    np.testing.assert_allclose(split, expected, rtol=rtol, atol=atol)
-    np.testing.assert_allclose(held, expected, rtol=rtol, atol=atol)
-    assert not np.array_equal(split, held)  # really another path: split products, other tiles
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_child_forked_inside_a_hold_gets_the_counts_back(two_blas_threads):
-    with _blas_threads.one_thread():
-        assert blas_counts() == [1] * len(blas_counts())
-        pid = os.fork()
-        if pid == 0:  # the child: no call of its own is inside the hold
-            os._exit(0 if _blas_threads._users == 0 and blas_counts() == [2] * len(blas_counts()) else 1)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    assert blas_counts() == [2] * len(blas_counts())
+    assert all(counts == before for counts in seen) and blas_counts() == before
