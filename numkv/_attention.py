@@ -197,7 +197,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
                    causal=int(call.is_causal), left=call.left, right=call.right,
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   blas_rows=blas_rows, gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT)  # unsplit: none
+                   blas_rows=blas_rows,
+                   gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT)  # unsplit: no limit
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     buffers, rows_desc = [], []
     for name in kernels.TENSORS[:5]:  # q, past_k, k, past_v, v: raw bytes
@@ -267,8 +268,8 @@ def _fields(names, **values):
 
 def _tiles(heads, group, sq, blas_rows, unsplit):
     """Default ``(block_q, block_k)`` for ``heads`` (batch x kv heads) of
-    ``group`` query heads each; ``unsplit``: BLAS products are held to one
-    thread, not split."""
+    ``group`` query heads each; ``unsplit``: BLAS runs on one thread, so its
+    products are whole, not split."""
     rows, keys = (ROWS_PER_TILE, BLAS_BLOCK_K) if unsplit else (SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K)
     while rows > MIN_ROWS_PER_TILE and heads * -(-sq // max(1, rows // group)) < TARGET_BLAS_ITEMS:
         rows //= 2  # smaller tiles, for enough work items

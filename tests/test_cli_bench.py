@@ -105,6 +105,21 @@ def test_every_float32_implementation_computes_numkvs_y(workload):
         assert timing.max_dy < 1e-5, timing.impl.label
 
 
+def test_prefill_also_times_numkv_with_blas_on_one_thread():
+    from threadpoolctl import threadpool_info
+
+    def blas_counts():
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    before = blas_counts()
+    result = _cli_bench.time_case(_bench_cases.attention_case(tiny_prefill()), _cli_bench.Settings(1, 0.01, 1))
+    variant = [t for t in result.timings if "BLAS on 1 thread" in t.impl.label]
+    assert len(variant) == 1 and variant[0].impl.peer == "numkv" and variant[0].max_dy < 1e-5
+    assert result.best_peer().impl.peer != "numkv"  # a variant of numkv is not a peer
+    assert blas_counts() == before  # the limit holds around the variant's calls only
+    assert not any("BLAS" in i.label for i in _bench_cases.attention_impls(tiny_decode()))
+
+
 @pytest.mark.parametrize("workload", [tiny_prefill("bfloat16"), tiny_decode("float8_e4m3fn")], ids=lambda w: w.id)
 def test_narrow_workloads_get_float32_and_narrow_peers(workload):
     impls = _bench_cases.attention_impls(workload)
