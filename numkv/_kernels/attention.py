@@ -22,8 +22,8 @@ Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
 item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
 against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
-(prefill) take BLAS ``gemm`` (``_gemm``): whole, while the wrapper holds
-BLAS to one thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
+(prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
+thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
 single-thread size); few rows (decode) take a loop that scores two rows
 against four keys per pass (``_scores``, ``_accumulate``).
 
