@@ -15,6 +15,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 import numkv
 import oracle
 from numkv import _attention, _blas_threads, _threads
+from numkv._kernels.attention import INT_FIELDS
 from test_attention import tolerance
 
 
@@ -37,17 +38,11 @@ def gemm_limits(monkeypatch):
     def watching(kernel, n_items, args, small=False, claimed=False):
         if kernel.__name__ == "attention_items":
             ints = args[7]
-            seen.append((int(ints[kernel_fields().index("gemm_limit")]), blas_counts()))
+            seen.append((int(ints[INT_FIELDS.index("gemm_limit")]), blas_counts()))
         return run(kernel, n_items, args, small, claimed)
 
     monkeypatch.setattr(_threads, "run", watching)
     return seen
-
-
-def kernel_fields():
-    from numkv._kernels import attention
-
-    return list(attention.INT_FIELDS)
 
 
 @pytest.mark.parametrize("causal", [False, True])
