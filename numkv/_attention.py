@@ -198,7 +198,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
                    blas_rows=blas_rows,
-                   gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT)  # unsplit: no limit
+                   gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT,  # unsplit: no limit
+                   gemm_fn=_blas_threads.gemm_function(call.acc_dtype.itemsize))
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     buffers, rows_desc = [], []
     for name in kernels.TENSORS[:5]:  # q, past_k, k, past_v, v: raw bytes

@@ -258,14 +258,11 @@ def inputs(w, seed=1):
     return q.astype(_dtype(w.q_dtype)), k.astype(_dtype(w.kv_dtype)), v.astype(_dtype(w.kv_dtype))
 
 
-def attention_impls(w, threads=None, peers=PEERS, variants=True):
-    """The implementations of workload ``w`` (numkv first) among ``peers``;
-    ``variants``: for a prefill, numkv with BLAS on one thread too."""
+def attention_impls(w, threads=None, peers=PEERS):
+    """The implementations of workload ``w`` (numkv first) among ``peers``."""
     q, k, v = inputs(w)
     wide = tuple(a.astype(np.float32) for a in (q, k, v))
     impls = [_numkv_impl(w, q, k, v)]
-    if variants and w.q_len > 1:
-        impls.append(_numkv_blas1_impl(w, q, k, v))
     if "onnxruntime" in peers and have("onnxruntime") and have("onnx"):
         impls += [_ort_impl(w, wide, name, threads) for name in _peer_dtypes(w, "float16")]
     if "torch" in peers and have("torch"):
@@ -289,8 +286,8 @@ def _peer_dtypes(w, float8_stand_in):
     return ["float32", float8_stand_in if narrow.startswith("float8") else narrow]
 
 
-def attention_case(w, threads=None, peers=PEERS, min_samples=5, variants=True):
-    return Case(w.id, w.title, lambda: attention_impls(w, threads, peers, variants), limit=w.limit,
+def attention_case(w, threads=None, peers=PEERS, min_samples=5):
+    return Case(w.id, w.title, lambda: attention_impls(w, threads, peers), limit=w.limit,
                 check=True, min_samples=min_samples)
 
 
@@ -298,29 +295,6 @@ def _numkv_impl(w, q, k, v):
     kwargs = _numkv_kwargs(w)
     return Impl(f"numkv attention ({_dtypes_label(w.q_dtype, w.kv_dtype)})", "numkv",
                 lambda: numkv.attention(q, k, v, **kwargs), w.work(w.q_dtype, w.kv_dtype))
-
-
-def _numkv_blas1_impl(w, q, k, v):
-    """numkv with every BLAS of the process on one thread during its calls
-    (what ``OPENBLAS_NUM_THREADS=1`` gives): prefill's whole-tile products,
-    which numkv uses only where BLAS already runs so (README, "Fastest
-    prefill").  The bench sets the limit, around these calls only."""
-    kwargs = _numkv_kwargs(w)
-    controller = []
-
-    def run():
-        if not controller:  # after SciPy's BLAS is loaded, so that the limit reaches it
-            from threadpoolctl import ThreadpoolController
-
-            from numkv import _blas_threads
-
-            _blas_threads.single_threaded()
-            controller.append(ThreadpoolController())
-        with controller[0].limit(limits=1, user_api="blas"):
-            return numkv.attention(q, k, v, **kwargs)
-
-    return Impl(f"numkv attention ({_dtypes_label(w.q_dtype, w.kv_dtype)}), BLAS on 1 thread", "numkv",
-                run, w.work(w.q_dtype, w.kv_dtype))
 
 
 def _numkv_kwargs(w):

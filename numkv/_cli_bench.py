@@ -293,7 +293,7 @@ def _have(module):
 
 def _set_threads(n):
     """Thread counts for every runtime: numkv's (``numkv.set_num_threads``);
-    BLAS (the GEMM limit, NumPy's matmuls) through threadpoolctl;
+    the BLAS of NumPy and SciPy (the GEMM limit, NumPy's matmuls) through threadpoolctl;
     onnxruntime's sessions take ``n`` when they are made."""
     if n is None:
         return nullcontext()
@@ -304,9 +304,15 @@ def _set_threads(n):
         import torch
 
         torch.set_num_threads(n)
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import ThreadpoolController
 
-    return threadpool_limits(n, user_api="blas")
+    from numkv import _blas_threads
+
+    # Every BLAS but numkv's own, which stays on one thread (its products run on numkv's).
+    own = _blas_threads.OWN.path if _blas_threads.OWN is not None else None
+    blas = ThreadpoolController().select(user_api="blas")
+    others = [lib.filepath for lib in blas.lib_controllers if lib.filepath != own]
+    return blas.select(filepath=others).limit(limits=n)
 
 
 def machine_name():

@@ -1,8 +1,8 @@
 """``python -m numkv info``: what numkv runs on, without compiling anything.
 
-Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS numba's
-matrix products call (SciPy's: numba's ``np.dot`` goes through
-``scipy.linalg.cython_blas``) and NumPy's, threads and how they are run, and
+Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS
+prefill's matrix products call (numkv's own OpenBLAS, ``numkv._blas_threads``;
+else SciPy's, through numba) and NumPy's, threads and how they are run, and
 where numba keeps numkv's compiled kernels (and whether it could use the
 directory asked for).
 """
@@ -35,31 +35,41 @@ def _version(module_name):
 
 
 def blas_info():
-    """``(scipy_blas, numpy_blas)`` as short strings.
+    """``(products_blas, numpy_blas)`` as short strings: the BLAS prefill's
+    products call (numkv's own OpenBLAS, else SciPy's, which numba calls) and
+    NumPy's.
 
     threadpoolctl names the libraries loaded in this process (after importing
     SciPy's and NumPy's BLAS wrappers) with their versions and thread counts;
     where it does not, each package's build configuration says what it was
     built against; otherwise "unknown".
     """
+    from numkv import _blas_threads
+
+    own = _blas_threads.OWN.path if _blas_threads.OWN is not None else None
     try:
         import scipy.linalg.cython_blas  # noqa: F401  loads the library numba calls
     except ImportError:
-        return "none: SciPy is not installed (numba's np.dot needs it)", _numpy_blas_config()
+        if own is None:
+            return "none: SciPy is not installed (numba's np.dot needs it)", _numpy_blas_config()
     from threadpoolctl import threadpool_info
 
-    scipy_blas = numpy_blas = None
+    own_blas = scipy_blas = numpy_blas = None
     for lib in threadpool_info():
         if lib.get("user_api") != "blas":
             continue
         text = (f"{lib.get('internal_api')} {lib.get('version') or ''}".rstrip()
-                + f", {lib.get('num_threads')} threads ({lib.get('filepath')})")
+                + f", {lib.get('num_threads')} thread(s) ({lib.get('filepath')})")
         path = (lib.get("filepath") or "").replace("\\", "/")
-        if "/scipy" in path and scipy_blas is None:
-            scipy_blas = text
+        if lib.get("filepath") == own:
+            own_blas = f"numkv's own, {text}"
+        elif "/scipy" in path and scipy_blas is None:
+            scipy_blas = f"SciPy's (through numba), {text}"
         elif "/numpy" in path and numpy_blas is None:
             numpy_blas = text
-    return scipy_blas or _config_blas("scipy"), numpy_blas or _numpy_blas_config()
+    if own is None:
+        own_blas = scipy_blas or f"SciPy's (through numba), {_config_blas('scipy')}"
+    return own_blas, numpy_blas or _numpy_blas_config()
 
 
 def _config_blas(package):
@@ -81,9 +91,12 @@ def products_info():
     from numkv import _blas_threads
 
     if _blas_threads.single_threaded():
-        return "whole tiles (BLAS runs on 1 thread)"
-    return ("split to M*N*K <= 2**18, BLAS may start threads (OPENBLAS_NUM_THREADS=1 or "
-            "threadpool_limits(1, 'blas') gives whole tiles, ~1.5x faster)")
+        return "whole tiles (their BLAS runs on 1 thread)"
+    if _blas_threads.OWN is not None:
+        return ("split to M*N*K <= 2**18: a threadpool_limits block gave numkv's BLAS more than "
+                "1 thread (outside it, whole tiles, ~1.4x faster)")
+    return ("split to M*N*K <= 2**18, BLAS may start threads (install scipy-openblas32, or "
+            "OPENBLAS_NUM_THREADS=1: whole tiles, ~1.4x faster)")
 
 
 def threading_info():
@@ -145,8 +158,8 @@ def run(args=None):
           f"{platform.system()}")
     print(f"numpy {np.__version__}, numba {_version('numba')}, llvmlite {_version('llvmlite')}, "
           f"ml_dtypes {_version('ml_dtypes')}, scipy {_version('scipy')}")
-    scipy_blas, numpy_blas = blas_info()
-    print(f"BLAS numba calls (SciPy's): {scipy_blas}")
+    products_blas, numpy_blas = blas_info()
+    print(f"BLAS of prefill's products: {products_blas}")
     print(f"NumPy's BLAS: {numpy_blas}")
     print(f"prefill products: {products_info()}")
     threads, how = threading_info()

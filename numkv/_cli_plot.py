@@ -60,7 +60,7 @@ def sweep(points, settings, threads=None):
     series = {panel.title: {} for panel, _, _ in points}
     for number, (panel, n, workload) in enumerate(points, 1):
         print(f"[plot {number}/{len(points)}] {workload.id}: ", end="", flush=True)
-        result = _cli_bench.time_case(_bench_cases.attention_case(workload, threads, variants=False),
+        result = _cli_bench.time_case(_bench_cases.attention_case(workload, threads),
                                       settings)
         timed = [t for t in result.timings if t.seconds is not None]
         for t in timed:

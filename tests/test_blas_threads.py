@@ -1,15 +1,20 @@
-"""Prefill's products and the BLAS thread count (``numkv._blas_threads``).
+"""Prefill's products and the BLAS they call (``numkv._blas_threads``).
 
-numkv never changes another library's thread count (API.md).  Where every
-BLAS already runs on one thread, prefill calls it on whole tiles; where a
-BLAS may start threads of its own (which would fight numkv's), each product
-is split to the size OpenBLAS keeps on the calling thread.
+numkv never changes another library's thread count (API.md): it loads its own
+OpenBLAS (``scipy-openblas32``) privately on one thread and calls it on whole
+tiles.  Where a BLAS may start threads of its own (which would fight numkv's),
+each product is split to the size OpenBLAS keeps on the calling thread.
 """
 
+import ctypes
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
+import scipy.linalg.cython_blas  # noqa: F401 - SciPy's BLAS loaded: threadpool_limits reaches loaded libraries only
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import numkv
@@ -31,25 +36,30 @@ def blas_counts():
     return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
 
 
-def gemm_limits(monkeypatch):
-    """The ``gemm_limit`` of every attention kernel run (huge: whole tiles)."""
+def gemm_limits(monkeypatch, functions=None):
+    """The ``gemm_limit`` of every attention kernel run (huge: whole tiles),
+    and into ``functions`` its ``gemm_fn``."""
     seen, run = [], _threads.run
 
     def watching(kernel, n_items, args, small=False, claimed=False):
         if kernel.__name__ == "attention_items":
             ints = args[7]
             seen.append((int(ints[INT_FIELDS.index("gemm_limit")]), blas_counts()))
+            if functions is not None:
+                functions.append(int(ints[INT_FIELDS.index("gemm_fn")]))
         return run(kernel, n_items, args, small, claimed)
 
     monkeypatch.setattr(_threads, "run", watching)
     return seen
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["numkv's BLAS", "SciPy's BLAS"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blas", [1, 2])
-def test_prefill_products_follow_the_blas_thread_count(monkeypatch, causal, blas):
+def test_prefill_products_follow_the_blas_thread_count(monkeypatch, causal, blas, own):
+    if not own:
+        monkeypatch.setattr(_blas_threads, "OWN", None)
     q, k, v = prefill()
-    _blas_threads.single_threaded()  # loads SciPy's BLAS: threadpool_limits reaches loaded libraries only
     with threadpool_limits(limits=blas, user_api="blas"):
         assert _blas_threads.single_threaded() == (blas == 1)
         limits = gemm_limits(monkeypatch)
@@ -64,7 +74,7 @@ def test_prefill_products_follow_the_blas_thread_count(monkeypatch, causal, blas
 
 
 def test_a_blas_that_is_not_openblas_counts_as_multithreaded(monkeypatch):
-    _blas_threads.single_threaded()
+    monkeypatch.setattr(_blas_threads, "OWN", None)
     monkeypatch.setattr(_blas_threads, "_getters", [None])
     with threadpool_limits(limits=1, user_api="blas"):
         assert not _blas_threads.single_threaded()
@@ -93,3 +103,38 @@ def test_concurrent_prefills_leave_blas_alone():
         w.join()
     assert not errors
     assert all(counts == before for counts in seen) and blas_counts() == before
+
+
+def test_numkvs_own_blas_is_private_and_on_one_thread(monkeypatch):
+    own = _blas_threads.OWN
+    assert own is not None, "scipy-openblas32, a dependency, did not load"
+    assert own.get_num_threads() == 1 and _blas_threads.single_threaded()
+    libraries = {lib["filepath"]: lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+    assert libraries[own.path] == 1
+    # RTLD_LOCAL: no other library's calls can bind to it (SciPy's BLAS has the same names)
+    assert not hasattr(ctypes.CDLL(None), "scipy_sgemm_")
+    functions = []
+    gemm_limits(monkeypatch, functions)
+    q, k, v = prefill()
+    numkv.attention(q, k, v)
+    numkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    assert functions == [own.sgemm, own.dgemm]
+    monkeypatch.setattr(_blas_threads, "OWN", None)
+    assert _blas_threads.gemm_function(4) == 0  # the kernel then calls SciPy's BLAS through numba
+
+
+def test_a_library_loaded_already_is_not_numkvs():
+    scipy_blas = [lib["filepath"] for lib in threadpool_info()
+                  if lib["user_api"] == "blas" and "/scipy.libs/" in lib["filepath"]]
+    for path in scipy_blas + [_blas_threads.OWN.path, None]:
+        assert _blas_threads._load_own(path) is None
+
+
+def test_own_blas_starts_on_one_thread_whatever_the_environment():
+    code = ("import os, numkv; from numkv import _blas_threads as b; "
+            "print(b.OWN.get_num_threads(), os.environ['OPENBLAS_NUM_THREADS'], "
+            "len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else 0)")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    own, env_after, _ = out.stdout.split()
+    assert (own, env_after) == ("1", "3")  # numkv's on one thread; the variable as it was

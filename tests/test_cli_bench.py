@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import numkv
 from numkv import _bench_cases, _bench_limits, _cli_bench
 from numkv.__main__ import main
 
@@ -105,19 +106,23 @@ def test_every_float32_implementation_computes_numkvs_y(workload):
         assert timing.max_dy < 1e-5, timing.impl.label
 
 
-def test_prefill_also_times_numkv_with_blas_on_one_thread():
+def test_threads_option_leaves_numkvs_own_blas_on_one_thread(monkeypatch):
     from threadpoolctl import threadpool_info
 
-    def blas_counts():
-        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    from numkv import _blas_threads
 
+    def blas_counts():
+        return {lib["filepath"]: lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    monkeypatch.setattr(_cli_bench, "_have", lambda module: False)  # leave torch's count alone
     before = blas_counts()
-    result = _cli_bench.time_case(_bench_cases.attention_case(tiny_prefill()), _cli_bench.Settings(1, 0.01, 1))
-    variant = [t for t in result.timings if "BLAS on 1 thread" in t.impl.label]
-    assert len(variant) == 1 and variant[0].impl.peer == "numkv" and variant[0].max_dy < 1e-5
-    assert result.best_peer().impl.peer != "numkv"  # a variant of numkv is not a peer
-    assert blas_counts() == before  # the limit holds around the variant's calls only
-    assert not any("BLAS" in i.label for i in _bench_cases.attention_impls(tiny_decode()))
+    with _cli_bench._set_threads(3):
+        during = blas_counts()
+        assert numkv.get_num_threads() == 3
+    numkv.set_num_threads(None)
+    own = _blas_threads.OWN.path
+    assert during[own] == 1 and all(n == 3 for path, n in during.items() if path != own)
+    assert blas_counts() == before
 
 
 @pytest.mark.parametrize("workload", [tiny_prefill("bfloat16"), tiny_decode("float8_e4m3fn")], ids=lambda w: w.id)

@@ -78,10 +78,12 @@ INT_FIELDS = (
     "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
     "causal", "left", "right", "has_mask",
     "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows", "gemm_limit",
+    "gemm_fn",
 )
 (BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
  CAUSAL, LEFT, RIGHT, HAS_MASK,
- BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT) = range(len(INT_FIELDS))
+ BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT,
+ GEMM_FN) = range(len(INT_FIELDS))
 
 TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
 T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
@@ -433,24 +435,25 @@ def _claim(typingctx, counter):
 
 
 @intrinsic
-def _gemm(typingctx, a, b, c, beta, trans_b):
+def _gemm(typingctx, a, b, c, beta, trans_b, fn):
     """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
     unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
-    ``numba_xxgemm`` helper numba's own ``np.dot`` calls (SciPy's BLAS, looked
-    up at run time, so the kernel stays in numba's disk cache).  Unlike
-    ``np.dot`` it accumulates (``beta``) and reads strided rows in place."""
+    Fortran-ABI function at address ``fn`` (numkv's own OpenBLAS,
+    ``numkv._blas_threads``), or where ``fn`` is 0 the ``numba_xxgemm``
+    helper numba's own ``np.dot`` calls (SciPy's BLAS).  Both are found at
+    run time, so the kernel stays in numba's disk cache.  Unlike ``np.dot``
+    it accumulates (``beta``) and reads strided rows in place."""
     if not all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype == c.dtype for x in (a, b, c)):
+        return None
+    if not isinstance(fn, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
         from numba.np.linalg import ensure_blas
 
-        ensure_blas()
         dtype = sig.args[2].dtype
-        char, intp, voidp = ir.IntType(8), context.get_value_type(types.intp), ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.IntType(32), [char, char, char, intp, intp, intp, voidp, voidp, intp,
-                                                voidp, intp, voidp, voidp, intp])
-        xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+        char, int32, intp = ir.IntType(8), ir.IntType(32), context.get_value_type(types.intp)
+        voidp = char.as_pointer()
         a_, b_, c_ = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
         itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_value_type(dtype)))
 
@@ -463,54 +466,74 @@ def _gemm(typingctx, a, b, c, beta, trans_b):
         beta_ = cgutils.alloca_once_value(builder, context.cast(builder, args[3], sig.args[3], dtype))
         transpose = context.cast(builder, args[4], sig.args[4], types.boolean)
         op_b = builder.select(transpose, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
-        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
+        address = context.cast(builder, args[5], sig.args[5], types.intp)
         # BLAS is column-major: there the product is c^T = op(b)^T a^T.
-        builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), n, m, k,
-                              builder.bitcast(one, voidp), builder.bitcast(b_.data, voidp), ld(b_),
-                              builder.bitcast(a_.data, voidp), ld(a_), builder.bitcast(beta_, voidp),
-                              builder.bitcast(c_.data, voidp), ld(c_)))
+        dims = (n, m, k, ld(b_), ld(a_), ld(c_))
+        operands = [builder.bitcast(x, voidp) for x in (one, b_.data, a_.data, beta_, c_.data)]
+        with builder.if_else(builder.icmp_signed("==", address, ir.Constant(intp, 0))) as (helper, own):
+            with helper:
+                ensure_blas()
+                fnty = ir.FunctionType(int32, [char, char, char, intp, intp, intp, voidp, voidp, intp,
+                                               voidp, intp, voidp, voidp, intp])
+                xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+                kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
+                nn, mm, kk, ldb, lda, ldc = dims
+                one_p, b_p, a_p, beta_p, c_p = operands
+                builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), nn, mm, kk,
+                                      one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
+            with own:  # Fortran ABI: every argument by pointer, LP64 integers
+                ints = [cgutils.alloca_once_value(builder, builder.trunc(x, int32)) for x in dims]
+                op_b_p = cgutils.alloca_once_value(builder, op_b)
+                no_trans = cgutils.alloca_once_value(builder, ir.Constant(char, ord("n")))
+                int_p = int32.as_pointer()
+                fnty = ir.FunctionType(ir.VoidType(), [voidp, voidp, int_p, int_p, int_p, voidp, voidp, int_p,
+                                                       voidp, int_p, voidp, voidp, int_p])
+                gemm = builder.inttoptr(address, fnty.as_pointer())
+                nn, mm, kk, ldb, lda, ldc = ints
+                one_p, b_p, a_p, beta_p, c_p = operands
+                builder.call(gemm, (op_b_p, no_trans, nn, mm, kk, one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
         return context.get_dummy_value()
 
-    return types.void(a, b, c, beta, trans_b), codegen
+    return types.void(a, b, c, beta, trans_b, fn), codegen
 
 
 # -- the two matrix products ----------------------------------------------------------
 
 
-def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit):
+def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
     """``s = qt K^T`` by BLAS, split along d so that each product stays within
     ``gemm_limit`` (nothing for narrow bits: BLAS tiles are always widened)."""
 
 
 @overload(_gemm_scores)
-def _gemm_scores_impl(qt, kf, ko, kld, s, rows, n, gemm_limit):
+def _gemm_scores_impl(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
     if kf.dtype == types.uint16:
-        return lambda qt, kf, ko, kld, s, rows, n, gemm_limit: None
+        return lambda qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn: None
 
-    def products(qt, kf, ko, kld, s, rows, n, gemm_limit):
+    def products(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
         d_k = qt.shape[1]
         kt = _rows_view(kf, ko, kld, n, d_k)
         part = max(1, min(d_k, gemm_limit // (rows * n)))
         for d0 in range(0, d_k, part):
-            _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True)
+            _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True, gemm_fn)
     return products
 
 
-def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit):
+def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
     """``acc += p V`` by BLAS, split as ``_gemm_scores``."""
 
 
 @overload(_gemm_accumulate)
-def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit):
+def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
     if vf.dtype == types.uint16:
-        return lambda p, vf, vo, vld, acc, rows, n, gemm_limit: None
+        return lambda p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn: None
 
-    def products(p, vf, vo, vld, acc, rows, n, gemm_limit):
+    def products(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
         d_v = acc.shape[1]
         vt = _rows_view(vf, vo, vld, n, d_v)
         part = max(1, min(d_v, gemm_limit // (rows * n)))
         for d0 in range(0, d_v, part):
-            _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False)
+            _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False, gemm_fn)
     return products
 
 
@@ -526,7 +549,7 @@ def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code):
     if qt.dtype != types.float32:
         return lambda qt, buf, ko, kld, s, rows, n, code: None
     return lambda qt, buf, ko, kld, s, rows, n, code: _scores(
-        qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, True, code)
+        qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, True, code)
 
 
 def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code):
@@ -539,7 +562,7 @@ def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code):
     if acc.dtype != types.float32:
         return lambda p, buf, vo, vld, acc, alpha, rows, n, code: None
     return lambda p, buf, vo, vld, acc, alpha, rows, n, code: _accumulate(
-        p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, True, code)
+        p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, True, code)
 
 
 @jit(inline=True)
@@ -550,7 +573,7 @@ def _reads_narrow(desc, t):
 
 
 @jit(reassociate=True)
-def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch, code):
+def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
     """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
     for many rows, else a loop that scores two query rows against four keys
     per pass over ``d`` (six loads feed eight vectorised FMAs; one row against
@@ -561,7 +584,7 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, prefetch, code):
     nothing).  ``kf`` may hold narrow bits (``_element``; the loop only)."""
     d_k = qt.shape[1]
     if use_blas:
-        _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit)
+        _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn)
         return
     zero = s.dtype.type(0.0)
     # Unsigned offsets: no negative-index wraparound, so the loads vectorise.
@@ -606,7 +629,7 @@ def _weighted4(p, r, j):
 
 
 @jit(contract=True)
-def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, prefetch, code):
+def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
     """``acc = alpha acc + p V`` per row, for the value rows ``vf[vo + j * vld:]``.
     The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
     masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
@@ -624,7 +647,7 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
             for d in range(d_v):
                 acc[r, d] *= a
     if use_blas and not skip_masked:
-        _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit)
+        _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn)
         return
     at, ld = np.uint64(vo), np.uint64(vld)
     ahead = np.uint64(PREFETCH_KEYS) * ld
@@ -891,7 +914,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         else:
                             kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
                                                                table, formats, acc_code)
-                            _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], k_in_place,
+                            _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], ints[GEMM_FN], k_in_place,
                                     acc_code)
                         edge = has_mask
                         for i in range(nq):
@@ -907,7 +930,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                                                                table, formats, acc_code)
                             skip_masked = edge and not _all_finite(vf, vo, vld, n, d_v)
                             _accumulate(s, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                        ints[GEMM_LIMIT], v_in_place, acc_code)
+                                        ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place, acc_code)
 
             if split:
                 for r in range(rows):
