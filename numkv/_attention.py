@@ -24,10 +24,12 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # against ``block_k`` keys a tile.
 #
 # * Prefill: with at least ``BLAS_MIN_ROWS`` rows, the two products of a tile
-#   are BLAS gemm calls.  Where BLAS runs on one thread (``_blas_threads``),
-#   whole: 512 rows x 256 keys measured best of 128-512 x 128-512 (Hq=32,
-#   Hkv=8, D=128, 2 threads: causal S=2048 338 ms, full S=1024 143 ms,
-#   against 499 and 218 ms with the split products below); the rows halve,
+#   are BLAS gemm calls.  Where that BLAS runs on one thread (numkv's own
+#   OpenBLAS does, ``_blas_threads``), whole: 512 rows x 256 keys measured
+#   best of 128-512 x 128-512 (Hq=32, Hkv=8, D=128, 2 threads: causal
+#   S=2048 338 ms, full S=1024 143 ms, against 499 and 218 ms with the split
+#   products below; a later sweep of full S=1024 found 128-512 rows x
+#   128-512 keys within 126-142 ms, noise); the rows halve,
 #   down to ``MIN_ROWS_PER_TILE``, while there are fewer than
 #   ``TARGET_BLAS_ITEMS`` tiles (causal S=512: 256 rows, 26 ms).
 # * Where BLAS may start threads of its own, each product is split along the
