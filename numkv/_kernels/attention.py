@@ -468,8 +468,8 @@ def _gemm(typingctx, a, b, c, beta, trans_b, fn):
         op_b = builder.select(transpose, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
         address = context.cast(builder, args[5], sig.args[5], types.intp)
         # BLAS is column-major: there the product is c^T = op(b)^T a^T.
-        dims = (n, m, k, ld(b_), ld(a_), ld(c_))
-        operands = [builder.bitcast(x, voidp) for x in (one, b_.data, a_.data, beta_, c_.data)]
+        ldb, lda, ldc = ld(b_), ld(a_), ld(c_)
+        one_p, b_p, a_p, beta_p, c_p = (builder.bitcast(x, voidp) for x in (one, b_.data, a_.data, beta_, c_.data))
         with builder.if_else(builder.icmp_signed("==", address, ir.Constant(intp, 0))) as (helper, own):
             with helper:
                 ensure_blas()
@@ -477,21 +477,19 @@ def _gemm(typingctx, a, b, c, beta, trans_b, fn):
                                                voidp, intp, voidp, voidp, intp])
                 xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
                 kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
-                nn, mm, kk, ldb, lda, ldc = dims
-                one_p, b_p, a_p, beta_p, c_p = operands
-                builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), nn, mm, kk,
+                builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), n, m, k,
                                       one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
             with own:  # Fortran ABI: every argument by pointer, LP64 integers
-                ints = [cgutils.alloca_once_value(builder, builder.trunc(x, int32)) for x in dims]
-                op_b_p = cgutils.alloca_once_value(builder, op_b)
-                no_trans = cgutils.alloca_once_value(builder, ir.Constant(char, ord("n")))
+                def ref(value):
+                    return cgutils.alloca_once_value(builder, value)
+
                 int_p = int32.as_pointer()
                 fnty = ir.FunctionType(ir.VoidType(), [voidp, voidp, int_p, int_p, int_p, voidp, voidp, int_p,
                                                        voidp, int_p, voidp, voidp, int_p])
                 gemm = builder.inttoptr(address, fnty.as_pointer())
-                nn, mm, kk, ldb, lda, ldc = ints
-                one_p, b_p, a_p, beta_p, c_p = operands
-                builder.call(gemm, (op_b_p, no_trans, nn, mm, kk, one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
+                nn, mm, kk, ldb_, lda_, ldc_ = (ref(builder.trunc(x, int32)) for x in (n, m, k, ldb, lda, ldc))
+                builder.call(gemm, (ref(op_b), ref(ir.Constant(char, ord("n"))), nn, mm, kk,
+                                    one_p, b_p, ldb_, a_p, lda_, beta_p, c_p, ldc_))
         return context.get_dummy_value()
 
     return types.void(a, b, c, beta, trans_b, fn), codegen
