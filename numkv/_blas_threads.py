@@ -10,8 +10,8 @@ thread pool, and those pools fight numkv's (a 64x64x128 product ran at
   and SciPy build with), loaded privately (``RTLD_LOCAL``: nothing else binds
   to it) with ``OPENBLAS_NUM_THREADS=1`` while it loads, so it starts no
   threads.  Prefill calls it on whole tiles (causal S=2048, Hq=32, Hkv=8,
-  D=128, 2 threads, interleaved calls: 301 against 395 ms with split
-  products).
+  D=128, 2 threads, interleaved calls: 254-301 against 296-395 ms with
+  split products; ``tools/prefill_paths.py``).
 * where that library cannot be loaded (not installed, or already loaded by
   someone else: then it is theirs), SciPy's BLAS through numba, as
   ``np.dot`` in numba does; whole tiles only where every BLAS in the process

@@ -94,9 +94,9 @@ def products_info():
         return "whole tiles (their BLAS runs on 1 thread)"
     if _blas_threads.OWN is not None:
         return ("split to M*N*K <= 2**18: a threadpool_limits block gave numkv's BLAS more than "
-                "1 thread (outside it, whole tiles, ~1.3x faster)")
+                "1 thread (outside it, whole tiles, ~1.2-1.3x faster)")
     return ("split to M*N*K <= 2**18, BLAS may start threads (install scipy-openblas32, or "
-            "OPENBLAS_NUM_THREADS=1: whole tiles, ~1.3x faster)")
+            "OPENBLAS_NUM_THREADS=1: whole tiles, ~1.2-1.3x faster)")
 
 
 def threading_info():
