@@ -66,13 +66,12 @@ def _load_own(path):
     done (already loaded: another library's, whose count is not numkv's)."""
     if path is None:
         return None
-    no_load = getattr(os, "RTLD_NOLOAD", 0)
-    try:
-        if no_load:
-            ctypes.CDLL(path, mode=os.RTLD_LOCAL | no_load)
+    if hasattr(os, "RTLD_NOLOAD"):
+        try:
+            ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOLOAD)
             return None  # loaded already: somebody else's
-    except OSError:
-        pass
+        except OSError:
+            pass  # not loaded yet
     with _load_lock:  # OpenBLAS reads the variable as it loads
         saved = os.environ.get("OPENBLAS_NUM_THREADS")
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
@@ -88,6 +87,11 @@ def _load_own(path):
 
 
 OWN = _load_own(_wheel_library())  # loaded at import: ~1 ms
+
+
+def own_path():
+    """The file of numkv's own OpenBLAS, or None where it is not loaded."""
+    return OWN.path if OWN is not None else None
 
 
 def gemm_function(itemsize):

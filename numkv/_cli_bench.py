@@ -162,7 +162,7 @@ class CaseTiming:
         return first if first is not None and first.impl.peer == "numkv" else None
 
     def best_peer(self):
-        timed = [t for t in self.timings[1:] if t.seconds is not None and t.impl.peer != "numkv"]
+        timed = [t for t in self.timings[1:] if t.seconds is not None]
         return min(timed, key=lambda t: t.seconds) if timed else None
 
 
@@ -309,9 +309,8 @@ def _set_threads(n):
     from numkv import _blas_threads
 
     # Every BLAS but numkv's own, which stays on one thread (its products run on numkv's).
-    own = _blas_threads.OWN.path if _blas_threads.OWN is not None else None
     blas = ThreadpoolController().select(user_api="blas")
-    others = [lib.filepath for lib in blas.lib_controllers if lib.filepath != own]
+    others = [lib.filepath for lib in blas.lib_controllers if lib.filepath != _blas_threads.own_path()]
     return blas.select(filepath=others).limit(limits=n)
 
 

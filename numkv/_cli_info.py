@@ -46,7 +46,7 @@ def blas_info():
     """
     from numkv import _blas_threads
 
-    own = _blas_threads.OWN.path if _blas_threads.OWN is not None else None
+    own = _blas_threads.own_path()
     try:
         import scipy.linalg.cython_blas  # noqa: F401  loads the library numba calls
     except ImportError:
