@@ -71,6 +71,35 @@ def test_the_arithmetic_decode_matches_the_tables(name):
     assert_same_floats(out, decode_table(dtype))
 
 
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_becomes_the_exact_bfloat16(name):
+    """Decode scores a float8 cache as a tile of bfloat16 bits: every pattern
+    must be a bfloat16 of the same value (any NaN for a NaN)."""
+    dtype = np.dtype(getattr(ml_dtypes, name))
+    code = kernel_dtype_codes(kernels.DTYPE_CODES)[dtype]
+    patterns = np.arange(256, dtype=np.uint8)
+    bits = np.zeros(256, np.uint16)
+    kernels._float8_to_bfloat16(bits, np.int64(2), np.int64(128), patterns, np.int64(code), np.int64(0),
+                                np.int64(128))
+    assert_same_floats((bits.astype(np.uint32) << 16).view(np.float32), decode_table(dtype))
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                                  "float8_e5m2fnuz"])
+def test_decode_on_a_narrow_cache_equals_its_float32_copy(name, rng):
+    """Decode reads a narrow cache its own way (in place, or float8 as
+    bfloat16 tiles); its output must be bit-identical to the same cache
+    widened to float32 first, which decode reads in place."""
+    dtype = np.dtype(getattr(ml_dtypes, name, name))
+    q = rng.standard_normal((2, 8, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 300, 64)).astype(dtype)
+    v = (4 * rng.standard_normal((2, 2, 300, 64))).astype(dtype)
+    for kwargs in ({}, {"is_causal": True}, {"nonpad_kv_seqlen": np.array([300, 77])}):
+        got = numkv.attention(q, k, v, **kwargs)
+        want = numkv.attention(q, k.astype(np.float32), v.astype(np.float32), **kwargs)
+        np.testing.assert_array_equal(got, want)
+
+
 # -- and back: a float16 Y -----------------------------------------------------------
 
 
