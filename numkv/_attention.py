@@ -36,8 +36,12 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   head size to stay within ``GEMM_MNK_LIMIT``: OpenBLAS runs a gemm of
 #   M*N*K <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread and
 #   never starts threads inside numkv's.  Smaller tiles suit that.
-# * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile
-#   (best of 32-128).
+# * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile:
+#   fewer, longer tiles spread the softmax's per-tile work (2 threads,
+#   medians of 15 interleaved; 64 / 128 / 256 keys: decode Skv=16384
+#   float32 8.99 / 8.68 / ~8.6 ms, bfloat16 3.78 / 3.24 / ~3.0, float8 5.12 /
+#   4.74 / ~4.6; B=8 Skv=2048 9.16 / 8.89 / 8.56; Hq=16 Hkv=4 D=64
+#   Skv=1088 0.191 / 0.176 / 0.165).
 # * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
 #   items (>= 4 per thread up to 64 threads) of chunks of at least
 #   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
@@ -52,7 +56,7 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 BLAS_MIN_ROWS = 16
 ROWS_PER_TILE, MIN_ROWS_PER_TILE, BLAS_BLOCK_K = 512, 128, 256
 SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K, GEMM_MNK_LIMIT = 128, 64, 1 << 18
-LOOP_BLOCK_K = 64
+LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_BLAS_ITEMS = 256, 64
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS = 1 << 22
