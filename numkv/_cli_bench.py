@@ -78,11 +78,18 @@ def add_parser(subparsers):
 # -- timing -------------------------------------------------------------------
 
 SETTLE = 0.15  # seconds of pause before a sample of another implementation
+# Seconds a sample lasts at least.  After the pause the cores are slow for a
+# while (a halted virtual CPU wakes late, caches went cold): 20 ms samples
+# timed that wake-up (2 cores, decode Skv=16384 float32: numkv 12.1-13.1 ms,
+# onnxruntime 22-25 ms) rather than the steady calls of a decode loop that
+# 0.1 s samples time (numkv 8.2-8.3 ms, onnxruntime 17-19 ms).
+MIN_SAMPLE = 0.1
 
 
-def measure(fns, repeats, min_sample=0.02, budget=10.0, min_samples=3, warm_up=True, settle=None):
+def measure(fns, repeats, min_sample=None, budget=10.0, min_samples=3, warm_up=True, settle=None):
     """Median seconds per call of each of ``fns``, over ``repeats`` samples each;
-    a sample runs its ``fn`` enough times to last ``min_sample`` seconds, and a
+    a sample runs its ``fn`` enough times to last ``min_sample`` seconds (default
+    ``MIN_SAMPLE``), and a
     slow ``fn`` (one call longer than ``budget / repeats``) gets fewer samples,
     at least ``min_samples``.  The samples are taken in turn, one of each ``fn``
     per round, so a slow spell of a shared machine falls on every implementation
@@ -95,6 +102,7 @@ def measure(fns, repeats, min_sample=0.02, budget=10.0, min_samples=3, warm_up=T
     onnxruntime keep spinning, and on a small machine they would slow
     whichever implementation is sampled next (measured on 2 cores: numkv's
     causal prefill 416 ms right after NumPy's matmuls, 374 ms alone)."""
+    min_sample = MIN_SAMPLE if min_sample is None else min_sample
     counts = []
     for fn in fns:
         if warm_up:

@@ -15,8 +15,9 @@ from numkv.__main__ import main
 @pytest.fixture(autouse=True)
 def no_settling(monkeypatch):
     """The real bench pauses between implementations (peers' threads spin
-    down); the tiny cases here need no pause."""
+    down) and takes long samples; the tiny cases here need neither."""
     monkeypatch.setattr(_cli_bench, "SETTLE", 0.0)
+    monkeypatch.setattr(_cli_bench, "MIN_SAMPLE", 0.02)
 from numkv._bench_cases import Case, Impl, Workload
 
 TINY_LIMITS = _bench_limits.MachineLimits(gemm_flops=1e10, read_bytes=1e10, gemm_n=64, read_nbytes=1 << 20)
