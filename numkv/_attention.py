@@ -50,20 +50,20 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   length depends on the shapes only: results do not depend on the thread
 #   count.
 # * Calls of fewer than ``SINGLE_THREAD_MACS`` multiply-adds stay on the
-#   calling thread: handing out shares costs ~25 us back to back, and far
-#   more when the call follows an idle spell (a sleeping core wakes slowly).
-#   On 2 cores, decode Hq=32 D=128, medians of bench-style samples (each
-#   after a 0.15 s pause), one thread against two: Skv=512 (4.2M MACs)
-#   265-315 vs 368-436 us, Skv=1024 (8.4M) 475-586 vs 781-990 us, Skv=1536
-#   (12.6M) 654-739 vs 880-915 us, Skv=2048 (16.8M) 1.92 vs 1.39 ms; back
-#   to back, Skv=1024 took 0.4 ms either way.  Not measured on 16 cores.
+#   calling thread: handing out shares costs ~25 us.  On 2 cores, decode
+#   Hq=32 D=128, medians of 0.1 s samples, one thread against two: Skv=512
+#   (4.2M MACs) 249-317 vs 253-282 us, Skv=1024 (8.4M) 392-445 vs 364-414
+#   us, Skv=1536 585-624 vs 400-618 us, Skv=2048 1.68-1.81 vs 0.86-0.93 ms.
+#   Right after an idle spell (a sleeping core wakes slowly) one thread did
+#   better up to Skv=1536 (20 ms samples: 654-739 vs 880-915 us).  Not
+#   measured on 16 cores.
 BLAS_MIN_ROWS = 16
 ROWS_PER_TILE, MIN_ROWS_PER_TILE, BLAS_BLOCK_K = 512, 128, 256
 SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K, GEMM_MNK_LIMIT = 128, 64, 1 << 18
 LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_BLAS_ITEMS = 256, 64
 MIN_CHUNK = 512
-SINGLE_THREAD_MACS = 1 << 24
+SINGLE_THREAD_MACS = 1 << 23
 # Threads claim work items one at a time rather than take equal shares: a
 # worker that wakes late or runs slow then takes fewer (2 threads, medians of
 # interleaved calls: 1.01-1.06x faster decode, Skv 512-16384 and B=8; 1.09x
