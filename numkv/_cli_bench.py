@@ -88,10 +88,9 @@ MIN_SAMPLE = 0.1
 
 def measure(fns, repeats, min_sample=None, budget=10.0, min_samples=3, warm_up=True, settle=None):
     """Median seconds per call of each of ``fns``, over ``repeats`` samples each;
-    a sample runs its ``fn`` enough times to last ``min_sample`` seconds (default
-    ``MIN_SAMPLE``), and a
-    slow ``fn`` (one call longer than ``budget / repeats``) gets fewer samples,
-    at least ``min_samples``.  The samples are taken in turn, one of each ``fn``
+    a sample runs its ``fn`` enough times to last ``min_sample`` seconds
+    (default ``MIN_SAMPLE``), and a slow ``fn`` (one call longer than
+    ``budget / repeats``) gets fewer samples, at least ``min_samples``.  The samples are taken in turn, one of each ``fn``
     per round, so a slow spell of a shared machine falls on every implementation
     alike.  ``warm_up``: make each ``fn``'s first (compiling) call here; pass
     False when the caller already did.
