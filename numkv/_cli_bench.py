@@ -14,8 +14,9 @@ Method
 * The implementations of a case are **sampled in turn**, one sample of each
   per round, so a slow spell of a shared machine falls on all of them alike:
   the ratios hold better than the times.  A sample runs its call often enough
-  to last 20 ms; a slow call gets fewer samples (``budget`` seconds each), never
-  fewer than the case's minimum (5 for the attention cases, 3 with ``--quick``).
+  to last 0.1 s (``MIN_SAMPLE``); a slow call gets fewer samples (``budget``
+  seconds each), never fewer than the case's minimum (5 for the attention
+  cases, 3 with ``--quick``).
 * **ratio** = the implementation's time / numkv's (above 1: slower than numkv).
 * **rate** and **% of limit**: the machine limits are measured at the start of
   the run (``numkv._bench_limits``: an fp32 GEMM rate and a parallel read
@@ -90,10 +91,11 @@ def measure(fns, repeats, min_sample=None, budget=10.0, min_samples=3, warm_up=T
     """Median seconds per call of each of ``fns``, over ``repeats`` samples each;
     a sample runs its ``fn`` enough times to last ``min_sample`` seconds
     (default ``MIN_SAMPLE``), and a slow ``fn`` (one call longer than
-    ``budget / repeats``) gets fewer samples, at least ``min_samples``.  The samples are taken in turn, one of each ``fn``
-    per round, so a slow spell of a shared machine falls on every implementation
-    alike.  ``warm_up``: make each ``fn``'s first (compiling) call here; pass
-    False when the caller already did.
+    ``budget / repeats``) gets fewer samples, at least ``min_samples``.  The
+    samples are taken in turn, one of each ``fn`` per round, so a slow spell
+    of a shared machine falls on every implementation alike.  ``warm_up``:
+    make each ``fn``'s first (compiling) call here; pass False when the
+    caller already did.
 
     Each sample starts after a pause of ``settle`` seconds (default
     ``SETTLE``): after a call, the
