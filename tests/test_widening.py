@@ -94,7 +94,9 @@ def test_decode_on_a_narrow_cache_equals_its_float32_copy(name, rng):
     q = rng.standard_normal((2, 8, 1, 64)).astype(np.float32)
     k = rng.standard_normal((2, 2, 300, 64)).astype(dtype)
     v = (4 * rng.standard_normal((2, 2, 300, 64))).astype(dtype)
-    for kwargs in ({}, {"is_causal": True}, {"nonpad_kv_seqlen": np.array([300, 77])}):
+    mask = np.ones((2, 1, 1, 300), bool)
+    mask[0, ..., 100:140] = mask[1, ..., ::7] = False  # masked keys inside tiles
+    for kwargs in ({}, {"is_causal": True}, {"nonpad_kv_seqlen": np.array([300, 77])}, {"attn_mask": mask}):
         got = numkv.attention(q, k, v, **kwargs)
         want = numkv.attention(q, k.astype(np.float32), v.astype(np.float32), **kwargs)
         np.testing.assert_array_equal(got, want)

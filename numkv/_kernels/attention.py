@@ -26,8 +26,9 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
-single-thread size); few rows (decode) take a loop that scores two rows
-against four keys per pass (``_scores``, ``_accumulate``).
+single-thread size); few rows (decode) take loops that score two rows
+against four keys per pass (``_scores``) and add four keys' values to four
+rows per pass (``_accumulate``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -379,7 +380,7 @@ def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_cod
 @jit(inline=True)
 def _narrow_tile(scratch, j0, n, width, b, hk, buf, desc, t):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` (one that
-    ``_reads_narrow``) as ``(bytes, at, ld, code)`` for ``_scores_narrow``
+    ``_reads_narrow``) as ``(bytes, at, ld, code, in_place)`` for ``_scores_narrow``
     and ``_accumulate_narrow``: bfloat16 and float16 rows in place; float8
     rows as a tile of bfloat16 bits in ``scratch``, the cheapest of those
     loops to read (float8_e4m3fn decode, Skv=16384, 2 threads: 5.1-5.6 ms
@@ -387,10 +388,10 @@ def _narrow_tile(scratch, j0, n, width, b, hk, buf, desc, t):
     at, ld = _tile_origin(j0, b, hk, desc, t)
     code = desc[t, DTYPE]
     if code == BF16 or code == F16:
-        return buf, at, ld, code
+        return buf, at, ld, code, True
     tile = scratch.view(np.uint8)
     _float8_to_bfloat16(tile.view(np.uint16), n, width, buf, code, at, ld)
-    return tile, at - at, width, BF16
+    return tile, at - at, width, BF16, False
 
 
 def _element(flat, i, code):
@@ -593,32 +594,33 @@ def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
     return products
 
 
-def _scores_narrow(qt, buf, ko, kld, s, rows, n, code):
+def _scores_narrow(qt, buf, ko, kld, s, rows, n, code, prefetch):
     """``_scores`` reading bfloat16 or float16 keys (``code``) as they are,
-    from the raw bytes ``buf``: decode on a narrow cache, with no tile copy.
+    from the raw bytes ``buf``: decode on a narrow cache, with no tile copy
+    (``prefetch``: the keys ahead, where ``buf`` is the cache itself).
     Only where the accumulation is float32 (``qt``): for float64 nothing is
     compiled (that kernel always widens into tiles)."""
 
 
 @overload(_scores_narrow)
-def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code):
+def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code, prefetch):
     if qt.dtype != types.float32:
-        return lambda qt, buf, ko, kld, s, rows, n, code: None
-    return lambda qt, buf, ko, kld, s, rows, n, code: _scores(
-        qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, True, code)
+        return lambda qt, buf, ko, kld, s, rows, n, code, prefetch: None
+    return lambda qt, buf, ko, kld, s, rows, n, code, prefetch: _scores(
+        qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, prefetch, code)
 
 
-def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code):
+def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch):
     """``_accumulate`` reading bfloat16 or float16 values as they are (as
     ``_scores_narrow``; the loop leaves masked keys out by their weights)."""
 
 
 @overload(_accumulate_narrow)
-def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code):
+def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch):
     if acc.dtype != types.float32:
-        return lambda p, buf, vo, vld, acc, alpha, rows, n, code: None
-    return lambda p, buf, vo, vld, acc, alpha, rows, n, code: _accumulate(
-        p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, True, code)
+        return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch: None
+    return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch: _accumulate(
+        p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, prefetch, code)
 
 
 @jit(inline=True)
@@ -985,8 +987,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         n = min(bk, seg_hi + 1 - j0)
                         s = sbuf[:rows * n].reshape((rows, n))
                         if narrow and _reads_narrow(desc, tk):
-                            k_narrow, ko, kld, k_code = _narrow_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk)
-                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, k_code)
+                            k_narrow, ko, kld, k_code, k_in_place = _narrow_tile(kbuf, j0 - shift, n, d_k, b, hk,
+                                                                                 kb, desc, tk)
+                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, k_code, k_in_place)
                         else:
                             kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
                                                                table, formats, acc_code)
@@ -999,8 +1002,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
                         if narrow and _reads_narrow(desc, tv):
-                            v_narrow, vo, vld, v_code = _narrow_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv)
-                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, v_code)
+                            v_narrow, vo, vld, v_code, v_in_place = _narrow_tile(vbuf, j0 - shift, n, d_v, b, hk,
+                                                                                 vb, desc, tv)
+                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, v_code, v_in_place)
                         else:
                             vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
                                                                table, formats, acc_code)
