@@ -41,7 +41,8 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   medians of 15 interleaved; 64 / 128 / 256 keys: decode Skv=16384
 #   float32 8.99 / 8.68 / ~8.6 ms, bfloat16 3.78 / 3.24 / ~3.0, float8 5.12 /
 #   4.74 / ~4.6; B=8 Skv=2048 9.16 / 8.89 / 8.56; Hq=16 Hkv=4 D=64
-#   Skv=1088 0.191 / 0.176 / 0.165).
+#   Skv=1088 0.191 / 0.176 / 0.165; measured before rows were prefetched
+#   into L2, and float8 again after: 5.43-5.57 / 5.20-5.26 / 4.94-4.99 ms).
 # * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
 #   items (>= 4 per thread up to 64 threads) of chunks of at least
 #   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
