@@ -256,6 +256,12 @@ def _half_to_float32(typingctx, h):
 
 
 @jit(inline=True)
+def _e5m2_to_float32(x):
+    """float32 value of the float8_e5m2 bits ``x``: float16's upper byte."""
+    return _half_to_float32(np.uint16(x) << 8)
+
+
+@jit(inline=True)
 def _e4m3fn_to_float32(x):
     """float32 value of the float8_e4m3fn bits ``x``: as a float16 of bias 15
     (not 7), times 2**8; S.1111.111 is NaN."""
@@ -312,11 +318,11 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
             at = np.uint64(base + t * seq_stride)
             for c in range(width):
                 dst[r0 + t, c] = _half_to_float32(src16[at + np.uint64(c) * step])
-    elif code == E5M2:  # float16's upper byte
+    elif code == E5M2:
         for t in range(n):
             at = np.uint64(base + t * seq_stride)
             for c in range(width):
-                dst[r0 + t, c] = _half_to_float32(np.uint16(buf[at + np.uint64(c) * step]) << 8)
+                dst[r0 + t, c] = _e5m2_to_float32(buf[at + np.uint64(c) * step])
     elif code == E4M3FN:
         for t in range(n):
             at = np.uint64(base + t * seq_stride)
@@ -349,7 +355,7 @@ def _float8_to_bfloat16(dst, n, width, buf, code, base, seq_stride):
         row = np.uint64(t * width)
         for c in range(width):
             x = buf[at + np.uint64(c)]
-            f = _half_to_float32(np.uint16(x) << 8) if code == E5M2 else _e4m3fn_to_float32(x)
+            f = _e5m2_to_float32(x) if code == E5M2 else _e4m3fn_to_float32(x)
             dst[row + np.uint64(c)] = np.uint16(_bits_of_float32(f) >> 16)
 
 
@@ -380,10 +386,10 @@ def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_cod
 @jit(inline=True)
 def _narrow_tile(scratch, j0, n, width, b, hk, buf, desc, t):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` (one that
-    ``_reads_narrow``) as ``(bytes, at, ld, code, in_place)`` for ``_scores_narrow``
-    and ``_accumulate_narrow``: bfloat16 and float16 rows in place; float8
-    rows as a tile of bfloat16 bits in ``scratch``, the cheapest of those
-    loops to read (float8_e4m3fn decode, Skv=16384, 2 threads: 5.1-5.6 ms
+    ``_reads_narrow``) as ``(bytes, at, ld, code, in_place)`` for
+    ``_scores_narrow`` and ``_accumulate_narrow``: bfloat16 and float16 rows
+    in place; float8 rows as a tile of bfloat16 bits in ``scratch``, the
+    cheapest of those loops to read (float8_e4m3fn decode, Skv=16384, 2 threads: 5.1-5.6 ms
     against 5.8-6.1 through a float32 tile and the float32 loops)."""
     at, ld = _tile_origin(j0, b, hk, desc, t)
     code = desc[t, DTYPE]
