@@ -47,7 +47,8 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   items (>= 4 per thread up to 64 threads) of chunks of at least
 #   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
 #   gain); ``TARGET_BLAS_ITEMS`` for BLAS tiles, whose causal pairs balance
-#   already (a split full prefill S=1024 cost 198 against 160 ms).  The chunk
+#   already (a split full prefill S=1024 cost 198 against 160 ms).  Calls
+#   that stay on one thread (below) keep the key range whole.  The chunk
 #   length depends on the shapes only: results do not depend on the thread
 #   count.
 # * Calls of fewer than ``SINGLE_THREAD_MACS`` multiply-adds stay on the
@@ -194,9 +195,13 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     block_k = block_k or auto_k
     uses_blas = group * block_q >= blas_rows
     n_q_tiles = -(-sq // block_q)
+    # The tiniest calls cost less than handing out shares to other threads.
+    small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
     if kv_chunk is None:
-        kv_chunk = _kv_chunk(b * hkv * n_q_tiles, total, block_k,
-                             TARGET_BLAS_ITEMS if uses_blas else TARGET_ITEMS)
+        # Chunks exist to feed threads; on one they only add a merge (Hq=16
+        # Hkv=4 D=64 Skv=1088: 140 us a call unsplit, 147 in 3 chunks).
+        kv_chunk = total if small else _kv_chunk(b * hkv * n_q_tiles, total, block_k,
+                                                 TARGET_BLAS_ITEMS if uses_blas else TARGET_ITEMS)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
     n_chunks = max(1, -(-total // kv_chunk))
     # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
@@ -235,8 +240,6 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     else:
         part_m = part_l = np.empty((1, 1), call.acc_dtype)
         part_acc = np.empty((1, 1, 1), call.acc_dtype)
-    # The tiniest calls cost less than handing out shares to other threads.
-    small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
     claimed = CLAIM_ITEMS and not small
     counter = np.zeros(1 if claimed else 0, np.int64)
     _threads.run(kernels.attention_items, n_items * n_chunks, (

@@ -223,6 +223,25 @@ def test_thread_count_does_not_change_y_split_decode():
     assert_close_f32(one, _attention.run(call, kv_chunk=call.total), {"K": k, "V": v})
 
 
+def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
+    # A call below SINGLE_THREAD_MACS runs on one thread: its keys are not
+    # split into chunks (no merge); a larger one is.  Both match a forced split.
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 4, 1, 16), np.float32)
+    k = rng.standard_normal((1, 1, 3000, 16), np.float32)
+    v = rng.standard_normal((1, 1, 3000, 16), np.float32)
+    call = _attention.prepare(q, k, v)
+    macs = 4 * 3000 * 32
+    kernels, run = [], _threads.run
+    monkeypatch.setattr(_threads, "run", lambda kernel, *a: kernels.append(kernel.__name__) or run(kernel, *a))
+    for threshold, merged in ((macs + 1, False), (macs, True)):
+        kernels.clear()
+        monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", threshold)
+        y = _attention.run(call)
+        assert ("attention_merge" in kernels) == merged
+        assert_close_f32(y, _attention.run(call, kv_chunk=512), {"K": k, "V": v})
+
+
 # --------------------------------------------------------------------------
 # equivalent inputs
 
