@@ -242,9 +242,12 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         part_acc = np.empty((1, 1, 1), call.acc_dtype)
     claimed = CLAIM_ITEMS and not small
     counter = np.zeros(1 if claimed else 0, np.int64)
+    # Only a kernel handed uint16 here holds the narrow decode loops (see
+    # ``_reads_narrow``): a float32 cache's first call compiles without them.
+    narrow_kv = any(row[-1] in kernels.NARROW_CODES for row in rows_desc[1:5])
     _threads.run(kernels.attention_items, n_items * n_chunks, (
         *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
-        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter), small, claimed)
+        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter, _LOOPS[narrow_kv]), small, claimed)
     if n_chunks > 1:  # merge the chunks' partial softmaxes
         _threads.run(kernels.attention_merge, n_items, (buffers[-1], ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
@@ -269,6 +272,9 @@ def _scale_factors(scale, dtype):
     root = math.sqrt(scale)
     return root, root
 
+
+# The kernel's ``narrow_loops`` operand: with (uint16) or without (uint8) the narrow decode loops.
+_LOOPS = {True: np.zeros(0, np.uint16), False: np.zeros(0, np.uint8)}
 
 # The kernel's mask operand when there is none (never read), per accumulation dtype size.
 _NO_MASK = {4: np.zeros((1, 1, 1, 1), np.float32), 8: np.zeros((1, 1, 1, 1), np.float64)}

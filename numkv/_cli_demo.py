@@ -77,11 +77,14 @@ class _Progress:
 
 def _first_compile(label, kwargs):
     """What a run's first call may compile, and about how long that takes from
-    a cold cache (measured on 2 busy cores: 19 s for the first run, whose
-    float32 attention builds the kernel every dtype shares; 1-2 s for each
-    cache dtype's writes after it)."""
+    a cold cache (measured on 2 cores: 8.6-9.3 s for the first run's float32
+    attention; 7.5-8.2 s for the attention kernel with the narrow decode
+    loops, which a float16, bfloat16 or float8 cache's run adds; 0.5 s for
+    each cache dtype's writes)."""
     if label.startswith("(a)"):
-        return f"run {label}: float32 attention", 20
+        return f"run {label}: float32 attention", 10
+    if "dtype" in kwargs:  # every --kv-dtype choice is read by the narrow loops
+        return f"run {label}: attention on a {kwargs['dtype']} cache", 10
     return f"run {label}", 5
 
 

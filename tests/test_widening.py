@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import numkv
-from numkv import _attention
+from numkv import _attention, _threads
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
 
@@ -100,6 +100,32 @@ def test_decode_on_a_narrow_cache_equals_its_float32_copy(name, rng):
         got = numkv.attention(q, k, v, **kwargs)
         want = numkv.attention(q, k.astype(np.float32), v.astype(np.float32), **kwargs)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                                  "float8_e5m2fnuz"])
+def test_only_narrow_caches_take_the_kernel_with_narrow_loops(name, rng, monkeypatch):
+    """The wrapper hands the kernel its narrow loops (a uint16
+    ``narrow_loops``) exactly for the K/V dtypes they read, so a float32
+    cache's kernel compiles without them; a kernel without them widens a
+    narrow cache into float32 tiles instead, with the same bits."""
+    dtype = np.dtype(getattr(ml_dtypes, name, name))
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 300, 64)).astype(dtype)
+    v = rng.standard_normal((1, 2, 300, 64)).astype(dtype)
+    seen, run = [], _threads.run
+
+    def spy(kernel, n_items, args, *rest):
+        if kernel.__name__ == "attention_items":
+            seen.append(args[-1].dtype)
+        return run(kernel, n_items, args, *rest)
+
+    monkeypatch.setattr(_threads, "run", spy)
+    y = numkv.attention(q, k, v)
+    assert seen == [np.uint16 if dtype.itemsize < 4 and "fnuz" not in name else np.uint8]
+    monkeypatch.setattr(_attention, "_LOOPS", dict.fromkeys((True, False), _attention._LOOPS[False]))
+    np.testing.assert_array_equal(numkv.attention(q, k, v), y)
+    assert seen[-1] == np.uint8
 
 
 # -- and back: a float16 Y -----------------------------------------------------------

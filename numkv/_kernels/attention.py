@@ -8,7 +8,8 @@ Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype.  Elements are widened into tiles of the accumulation dtype
+every input dtype (two: the narrow decode loops below are compiled only into a
+kernel called for a narrow cache, ``_reads_narrow``).  Elements are widened into tiles of the accumulation dtype
 (float32, or float64 for float64 Q / ``softmax_precision`` DOUBLE), one tile
 at a time, never the whole cache (``_widen_rows``); K/V rows already in the
 accumulation dtype, unit stride, are read in place, and so are bfloat16 and
@@ -104,6 +105,8 @@ Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 (F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
+# K/V dtypes that float32 decode reads with the narrow loops (``_reads_narrow``).
+NARROW_CODES = (F16, BF16, E4M3FN, E5M2)
 
 # -- widening: bits -> float ----------------------------------------------------
 
@@ -383,21 +386,29 @@ def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_cod
     return scratch, first_row, width, False
 
 
-@jit(inline=True)
-def _narrow_tile(scratch, j0, n, width, b, hk, buf, desc, t):
+def _narrow_tile(scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` (one that
     ``_reads_narrow``) as ``(bytes, at, ld, code, in_place)`` for
     ``_scores_narrow`` and ``_accumulate_narrow``: bfloat16 and float16 rows
     in place; float8 rows as a tile of bfloat16 bits in ``scratch``, the
     cheapest of those loops to read (float8_e4m3fn decode, Skv=16384, 2 threads: 5.1-5.6 ms
     against 5.8-6.1 through a float32 tile and the float32 loops)."""
-    at, ld = _tile_origin(j0, b, hk, desc, t)
-    code = desc[t, DTYPE]
-    if code == BF16 or code == F16:
-        return buf, at, ld, code, True
-    tile = scratch.view(np.uint8)
-    _float8_to_bfloat16(tile.view(np.uint16), n, width, buf, code, at, ld)
-    return tile, at - at, width, BF16, False
+
+
+@overload(_narrow_tile)
+def _narrow_tile_impl(scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops):
+    if narrow_loops.dtype != types.uint16:  # never called: see _reads_narrow
+        return lambda scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops: (buf, j0, j0, j0, False)
+
+    def tile_of(scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops):
+        at, ld = _tile_origin(j0, b, hk, desc, t)
+        code = desc[t, DTYPE]
+        if code == BF16 or code == F16:
+            return buf, at, ld, code, True
+        tile = scratch.view(np.uint8)
+        _float8_to_bfloat16(tile.view(np.uint16), n, width, buf, code, at, ld)
+        return tile, at - at, width, BF16, False
+    return tile_of
 
 
 def _element(flat, i, code):
@@ -600,41 +611,55 @@ def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
     return products
 
 
-def _scores_narrow(qt, buf, ko, kld, s, rows, n, code, prefetch):
+def _scores_narrow(qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops):
     """``_scores`` reading bfloat16 or float16 keys (``code``) as they are,
     from the raw bytes ``buf``: decode on a narrow cache, with no tile copy
     (``prefetch``: the keys ahead, where ``buf`` is the cache itself).
-    Only where the accumulation is float32 (``qt``): for float64 nothing is
-    compiled (that kernel always widens into tiles)."""
+    Compiled only into a kernel with ``narrow_loops`` (see ``_reads_narrow``)
+    whose accumulation is float32 (``qt``): for float64 nothing is compiled
+    (that kernel always widens into tiles)."""
 
 
 @overload(_scores_narrow)
-def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code, prefetch):
-    if qt.dtype != types.float32:
-        return lambda qt, buf, ko, kld, s, rows, n, code, prefetch: None
-    return lambda qt, buf, ko, kld, s, rows, n, code, prefetch: _scores(
+def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops):
+    if qt.dtype != types.float32 or narrow_loops.dtype != types.uint16:
+        return lambda qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops: None
+    return lambda qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops: _scores(
         qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, prefetch, code)
 
 
-def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch):
+def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops):
     """``_accumulate`` reading bfloat16 or float16 values as they are (as
     ``_scores_narrow``; the loop leaves masked keys out by their weights)."""
 
 
 @overload(_accumulate_narrow)
-def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch):
-    if acc.dtype != types.float32:
-        return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch: None
-    return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch: _accumulate(
+def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops):
+    if acc.dtype != types.float32 or narrow_loops.dtype != types.uint16:
+        return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops: None
+    return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops: _accumulate(
         p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, prefetch, code)
 
 
-@jit(inline=True)
-def _reads_narrow(desc, t):
+def _reads_narrow(desc, t, narrow_loops):
     """Whether tensor ``t`` holds unit-stride rows that decode reads through
-    ``_narrow_tile``: bfloat16, float16, float8_e4m3fn or float8_e5m2."""
-    code = desc[t, DTYPE]
-    return (code == BF16 or code == F16 or code == E4M3FN or code == E5M2) and desc[t, STRIDE_D] == 1
+    ``_narrow_tile``: bfloat16, float16, float8_e4m3fn or float8_e5m2.
+
+    Never in a kernel compiled for a uint8 ``narrow_loops`` (an empty array
+    the wrapper passes: uint16 where a K/V operand has one of those dtypes):
+    that kernel widens every K/V tile and leaves the narrow loops out, 3-4 s
+    of the ~14 s first float32 call (their rows then take ``_kv_tile``: the
+    results are the same, only slower)."""
+
+
+@overload(_reads_narrow)
+def _reads_narrow_impl(desc, t, narrow_loops):
+    if narrow_loops.dtype != types.uint16:
+        return lambda desc, t, narrow_loops: False
+
+    def reads_narrow(desc, t, narrow_loops):
+        return desc[t, DTYPE] in NARROW_CODES and desc[t, STRIDE_D] == 1
+    return reads_narrow
 
 
 @jit(reassociate=True)
@@ -912,7 +937,7 @@ def _row_bounds(i, off, valid, causal, left, right):
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, part_m, part_l, part_acc, counter):
+                    table, formats, part_m, part_l, part_acc, counter, narrow_loops):
     """Work items ``first .. stop``, in order; or, where ``counter`` has an
     element, claimed one at a time (``first + counter[0]``, atomically) by
     every thread running this call over the same range, so that a thread
@@ -992,10 +1017,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
                         s = sbuf[:rows * n].reshape((rows, n))
-                        if narrow and _reads_narrow(desc, tk):
+                        if narrow and _reads_narrow(desc, tk, narrow_loops):
                             k_narrow, ko, kld, k_code, k_in_place = _narrow_tile(kbuf, j0 - shift, n, d_k, b, hk,
-                                                                                 kb, desc, tk)
-                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, k_code, k_in_place)
+                                                                                 kb, desc, tk, narrow_loops)
+                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, k_code, k_in_place, narrow_loops)
                         else:
                             kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
                                                                table, formats, acc_code)
@@ -1007,10 +1032,11 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
-                        if narrow and _reads_narrow(desc, tv):
+                        if narrow and _reads_narrow(desc, tv, narrow_loops):
                             v_narrow, vo, vld, v_code, v_in_place = _narrow_tile(vbuf, j0 - shift, n, d_v, b, hk,
-                                                                                 vb, desc, tv)
-                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, v_code, v_in_place)
+                                                                                 vb, desc, tv, narrow_loops)
+                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, v_code, v_in_place,
+                                               narrow_loops)
                         else:
                             vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
                                                                table, formats, acc_code)
