@@ -8,10 +8,11 @@ Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype (two: the narrow decode loops below are compiled only into a
-kernel called for a narrow cache, ``_reads_narrow``).  Elements are widened into tiles of the accumulation dtype
-(float32, or float64 for float64 Q / ``softmax_precision`` DOUBLE), one tile
-at a time, never the whole cache (``_widen_rows``); K/V rows already in the
+every input dtype (two: the narrow decode loops below are compiled only into
+a kernel called for a narrow cache, ``_reads_narrow``).  Elements are widened
+into tiles of the accumulation dtype (float32, or float64 for float64 Q /
+``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
+(``_widen_rows``); K/V rows already in the
 accumulation dtype, unit stride, are read in place, and so are bfloat16 and
 float16 rows in decode, widened element by element as the loops use them
 (``_element``: half the bytes read, no tile copy); decode widens
@@ -959,7 +960,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     slow takes fewer.  An item ``(b, kv_head, unit, chunk)``
     covers all ``G`` heads of the kv head for a pair of query tiles over every
     key, or for one query tile over one chunk of keys (its partial softmax then
-    goes to ``part_*``, for ``attention_merge``).  (One function, not a loop
+    goes to ``part_*``, for ``attention_merge``).  ``narrow_loops``: an empty
+    array whose dtype says whether the narrow decode loops are compiled in
+    (``_reads_narrow``).  (One function, not a loop
     calling an item function: each level of calls re-optimises all the code
     below it, and this one cost ~4 s of compile time.)"""
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
