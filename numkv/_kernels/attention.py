@@ -28,7 +28,7 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
-single-thread size); few rows (decode) take loops that score two rows
+single-thread size); few rows (decode) take loops that score four rows
 against four keys per pass (``_scores``) and add four keys' values to four
 rows per pass (``_accumulate``).
 
