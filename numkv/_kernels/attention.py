@@ -28,7 +28,7 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
-single-thread size); few rows (decode) take loops that score four rows
+single-thread size); few rows (decode) take loops that score two rows
 against four keys per pass (``_scores``) and add four keys' values to four
 rows per pass (``_accumulate``).
 
@@ -648,9 +648,10 @@ def _reads_narrow(desc, t, narrow_loops):
 
     Never in a kernel compiled for a uint8 ``narrow_loops`` (an empty array
     the wrapper passes: uint16 where a K/V operand has one of those dtypes):
-    that kernel widens every K/V tile and leaves the narrow loops out, 3-4 s
-    of the ~14 s first float32 call (their rows then take ``_kv_tile``: the
-    results are the same, only slower)."""
+    that kernel widens every K/V tile and leaves the narrow loops out (a
+    first float32 call from an empty cache: 10.0-10.3 s, against 13.9-14.3
+    s with them; a narrow cache's rows would take ``_kv_tile``: the same
+    results, only slower)."""
 
 
 @overload(_reads_narrow)
@@ -666,12 +667,9 @@ def _reads_narrow_impl(desc, t, narrow_loops):
 @jit(reassociate=True)
 def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
     """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
-    for many rows, else a loop that scores four query rows against four keys
-    per pass over ``d`` (eight loads feed sixteen vectorised FMAs; one row
-    against one key is load-bound at two loads per FMA).  Four rows, not two:
-    each narrow key element is widened once for G = 4 (bfloat16, in cache, 4
-    rows x 256 keys: 9.8 / 14.2 ns a key at D = 64 / 128 against 10.8 / 15.9;
-    float32 level).  A pass past the last row or
+    for many rows, else a loop that scores two query rows against four keys
+    per pass over ``d`` (six loads feed eight vectorised FMAs; one row against
+    one key is load-bound at two loads per FMA).  A pass past the last row or
     key repeats it: every score then comes from the same vectorised sum, so
     its bits depend neither on the number of rows (GQA equals MHA with K/V
     repeated) nor on the tile's length (a masked key at its end changes
@@ -694,12 +692,11 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
         if prefetch:  # the rows PREFETCH_KEYS keys on, a cache line at a time
             for line in range(0, 4 * d_k, 16):
                 _prefetch(kf, k0 + ahead + np.uint64(line))
-        for r in range(0, rows, 4):
-            r1, r2, r3 = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
+        for r in range(0, rows, 2):
+            r1 = min(r + 1, rows - 1)
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
-            c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = zero
             for d in range(d_k):
-                q0, q1, q2, q3 = qt[r, d], qt[r1, d], qt[r2, d], qt[r3, d]
+                q0, q1 = qt[r, d], qt[r1, d]
                 u = np.uint64(d)
                 x0, x1 = _element(kf, k0 + u, code), _element(kf, k1 + u, code)
                 x2, x3 = _element(kf, k2 + u, code), _element(kf, k3 + u, code)
@@ -711,20 +708,10 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
                 b1 += q1 * x1
                 b2 += q1 * x2
                 b3 += q1 * x3
-                c0 += q2 * x0
-                c1 += q2 * x1
-                c2 += q2 * x2
-                c3 += q2 * x3
-                e0 += q3 * x0
-                e1 += q3 * x1
-                e2 += q3 * x2
-                e3 += q3 * x3
             # A repeated row or key is written twice with the same value.
             j1, j2, j3 = min(j + 1, n - 1), min(j + 2, n - 1), min(j + 3, n - 1)
             s[r, j], s[r, j1], s[r, j2], s[r, j3] = a0, a1, a2, a3
             s[r1, j], s[r1, j1], s[r1, j2], s[r1, j3] = b0, b1, b2, b3
-            s[r2, j], s[r2, j1], s[r2, j2], s[r2, j3] = c0, c1, c2, c3
-            s[r3, j], s[r3, j1], s[r3, j2], s[r3, j3] = e0, e1, e2, e3
 
 
 @jit()
@@ -772,8 +759,9 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     do not depend on its neighbours, nor on which pass took it.  Where no
     weight of the tile is zero, passes take four rows and four keys: four
     loads of V and four loads and stores of acc feed sixteen FMAs (G = 4, D =
-    128: 19 ns a key, against 30 for two rows a pass or for a zero test in
-    every pass); other rows go one at a time (``_accumulate_row``)."""
+    128, when the passes were chosen: 19 ns a key, against 30 for two rows a
+    pass or for a zero test in every pass); other rows go one at a time
+    (``_accumulate_row``)."""
     d_v = acc.shape[1]
     for r in range(rows):
         a = alpha[r]
