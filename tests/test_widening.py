@@ -123,6 +123,8 @@ def test_only_narrow_caches_take_the_kernel_with_narrow_loops(name, rng, monkeyp
     monkeypatch.setattr(_threads, "run", spy)
     y = numkv.attention(q, k, v)
     assert seen == [np.uint16 if dtype.itemsize < 4 and "fnuz" not in name else np.uint8]
+    numkv.attention(q.astype(np.float64), k, v)  # float64 accumulation never takes the narrow loops
+    assert seen[-1] == np.uint8
     monkeypatch.setattr(_attention, "_LOOPS", dict.fromkeys((True, False), _attention._LOOPS[False]))
     np.testing.assert_array_equal(numkv.attention(q, k, v), y)
     assert seen[-1] == np.uint8
