@@ -245,7 +245,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     # Only a kernel handed uint16 here holds the narrow decode loops (see
     # ``_reads_narrow``): a float32 cache's first call compiles without them,
     # and so does float64 accumulation, which never takes them.
-    narrow_kv = call.acc_dtype == np.float32 and any(row[-1] in kernels.NARROW_CODES for row in rows_desc[1:5])
+    narrow_kv = (call.acc_dtype == np.float32
+                 and any(row[-1] in kernels.NARROW_CODES for row in rows_desc[1:5]))
     _threads.run(kernels.attention_items, n_items * n_chunks, (
         *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
         kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter, _LOOPS[narrow_kv]), small, claimed)

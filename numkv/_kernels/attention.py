@@ -174,6 +174,14 @@ def _prefetch(typingctx, flat, index):
     return types.void(flat, index), codegen
 
 
+@jit(inline=True)
+def _prefetch_ahead(flat, start, count):
+    """``_prefetch`` the ``count`` elements from ``flat[start]``, a float32
+    cache line (16 elements) at a time: the key rows ``PREFETCH_KEYS`` on."""
+    for line in range(0, count, 16):
+        _prefetch(flat, start + np.uint64(line))
+
+
 # The narrow float formats as ``FORMAT_FIELDS``: a value's magnitude bits
 # ``em`` shifted to float32's exponent/mantissa position, times
 # 2**(127 - bias), is the value -- subnormals included (a float32 subnormal
@@ -689,9 +697,8 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
         k1 = at + np.uint64(min(j + 1, n - 1)) * ld
         k2 = at + np.uint64(min(j + 2, n - 1)) * ld
         k3 = at + np.uint64(min(j + 3, n - 1)) * ld
-        if prefetch:  # the rows PREFETCH_KEYS keys on, a cache line at a time
-            for line in range(0, 4 * d_k, 16):
-                _prefetch(kf, k0 + ahead + np.uint64(line))
+        if prefetch:
+            _prefetch_ahead(kf, k0 + ahead, 4 * d_k)
         for r in range(0, rows, 2):
             r1 = min(r + 1, rows - 1)
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
@@ -786,8 +793,7 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
             v0 = at + np.uint64(j) * ld
             v1, v2, v3 = v0 + ld, v0 + ld + ld, v0 + ld + ld + ld
             if prefetch and r == 0:
-                for line in range(0, 4 * d_v, 16):
-                    _prefetch(vf, v0 + ahead + np.uint64(line))
+                _prefetch_ahead(vf, v0 + ahead, 4 * d_v)
             a0, a1, a2, a3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
             b0, b1, b2, b3 = p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3]
             c0, c1, c2, c3 = p[r + 2, j], p[r + 2, j + 1], p[r + 2, j + 2], p[r + 2, j + 3]
@@ -806,8 +812,7 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     for r in range(rows4, rows):  # other rows (or tiles with a masked key) one at a time
         for j in range(0, n, 4):
             if prefetch and r == 0:
-                for line in range(0, 4 * d_v, 16):
-                    _prefetch(vf, at + np.uint64(j) * ld + ahead + np.uint64(line))
+                _prefetch_ahead(vf, at + np.uint64(j) * ld + ahead, 4 * d_v)
             _accumulate_row(p, vf, at, ld, acc, r, j, n, code)
 
 
