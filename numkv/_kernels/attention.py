@@ -464,6 +464,176 @@ def _as_acc_impl(buf, like):
     return lambda buf, like: buf.view(np.float32)
 
 
+# -- dot products: several rows against four keys ---------------------------------
+
+# Bytes a vector of ``_dots`` holds: one AVX-512 register (two AVX2 ones).
+VECTOR_BYTES = 64
+
+
+@intrinsic
+def _dots(typingctx, q, q_at, k, k_at, length, code):
+    """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
+    ``k[k_at[j]:][:length]`` of the flat arrays ``q`` and ``k`` (``R = 2``
+    or 4 offsets in ``q_at``, four in ``k_at``), row-major: ``sums[4 * r +
+    j]``.  ``k`` holds ``q``'s dtype, or bfloat16 / float16 bits (uint16,
+    which of them by ``code``).
+
+    Written as LLVM IR so that the eight sums of a vector loop are reduced
+    together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
+    one reduction after another, which is what LLVM makes of scalar running
+    sums).  Each sum runs in vector lanes over ``D``'s whole vectors, the
+    lanes reduced by the same tree, then on from there one element at a
+    time over the rest: a dot product's bits depend on ``D`` only, not on
+    which pass or neighbours it had."""
+    if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
+            and k_at.count == 4 and q_at.count in (1, 2, 4)):
+        return None
+    sig = types.UniTuple(q.dtype, 4 * q_at.count)(q, q_at, k, k_at, length, code)
+    return sig, _emit_dots
+
+
+def _emit_dots(context, builder, sig, args):
+    q_ty, _, k_ty, _, length_ty, code_ty = sig.args
+    q_arr = context.make_array(q_ty)(context, builder, args[0])
+    k_arr = context.make_array(k_ty)(context, builder, args[2])
+    length = context.cast(builder, args[4], length_ty, types.int64)
+    q_rows = [builder.gep(q_arr.data, [builder.extract_value(args[1], r)]) for r in range(sig.args[1].count)]
+    k_rows = [builder.gep(k_arr.data, [builder.extract_value(args[3], j)]) for j in range(4)]
+    real = context.get_value_type(q_ty.dtype)
+    if k_ty.dtype == q_ty.dtype:
+        return _pack(context, builder, sig, _dot_sums(builder, q_rows, k_rows, length, real, None))
+    # uint16 keys: bfloat16 or float16, a branch outside the loops
+    is_half = builder.icmp_signed("==", args[5], ir.Constant(args[5].type, F16))
+    with builder.if_else(is_half) as (half, brain):
+        with half:
+            sums_half, from_half = _dot_sums(builder, q_rows, k_rows, length, real, "f16"), builder.block
+        with brain:
+            sums_brain, from_brain = _dot_sums(builder, q_rows, k_rows, length, real, "bf16"), builder.block
+    merged = []
+    for a, b in zip(sums_half, sums_brain):
+        phi = builder.phi(real)
+        phi.add_incoming(a, from_half)
+        phi.add_incoming(b, from_brain)
+        merged.append(phi)
+    return _pack(context, builder, sig, merged)
+
+
+def _pack(context, builder, sig, values):
+    out = cgutils.get_null_value(context.get_value_type(sig.return_type))
+    for i, value in enumerate(values):
+        out = builder.insert_value(out, value, i)
+    return out
+
+
+_BYTES = {"float": 4, "double": 8, "i16": 2}
+
+
+def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
+    """IR: the sums of ``_dots`` (``narrow``: None, "bf16" or "f16" keys)."""
+    i64 = ir.IntType(64)
+    lanes = VECTOR_BYTES // (4 if isinstance(real, ir.FloatType) else 8)
+    vec = ir.VectorType(real, lanes)
+    whole = builder.and_(length, ir.Constant(i64, -lanes))
+
+    def load(row, at, width, is_key):
+        elem = row.type.pointee
+        ty = ir.VectorType(elem, width) if width > 1 else elem
+        value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
+        if not is_key or narrow is None:
+            return value
+        if narrow == "f16":
+            half = ir.VectorType(ir.HalfType(), width) if width > 1 else ir.HalfType()
+            return builder.fpext(builder.bitcast(value, half), vec if width > 1 else real)
+        i32 = ir.VectorType(ir.IntType(32), width) if width > 1 else ir.IntType(32)
+        bits = builder.shl(builder.zext(value, i32), ir.Constant(i32, 16) if width == 1
+                           else ir.Constant(i32, [16] * width))
+        return builder.bitcast(bits, vec if width > 1 else real)
+
+    def fmuladd(ty):
+        name = f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}" \
+               f"{'f32' if real == ir.FloatType() else 'f64'}"
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+
+    def step(width, ty):
+        fn = fmuladd(ty)
+
+        def body(at, accs):
+            qs = [load(row, at, width, False) for row in q_rows]
+            ks = [load(row, at, width, True) for row in k_rows]
+            return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
+        return body
+
+    n_sums = 4 * len(q_rows)
+    vectors = _emit_loop(builder, ir.Constant(i64, 0), whole, lanes, [ir.Constant(vec, None)] * n_sums,
+                         step(lanes, vec))
+    sums = []
+    for first in range(0, n_sums, 8):
+        group = vectors[first:first + 8]
+        reduced = _reduce_lanes(builder, group)
+        sums += [builder.extract_element(reduced, ir.Constant(ir.IntType(32), t)) for t in range(len(group))]
+    return _emit_loop(builder, whole, length, 1, sums, step(1, real))
+
+
+def _emit_loop(builder, start, stop, stride, init, body):
+    """IR of ``for at in range(start, stop, stride): values = body(at, values)``;
+    returns the values after it (``init`` if it never runs)."""
+    i64 = ir.IntType(64)
+    before = builder.block
+    loop = builder.append_basic_block("dots.loop")
+    after = builder.append_basic_block("dots.after")
+    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
+    builder.position_at_end(loop)
+    at = builder.phi(i64)
+    values = [builder.phi(v.type) for v in init]
+    new = body(at, values)
+    following = builder.add(at, ir.Constant(i64, stride))
+    at.add_incoming(start, before)
+    at.add_incoming(following, loop)
+    for phi, first, updated in zip(values, init, new):
+        phi.add_incoming(first, before)
+        phi.add_incoming(updated, loop)
+    end = builder.block
+    builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
+    builder.position_at_end(after)
+    out = []
+    for first, updated in zip(init, new):
+        phi = builder.phi(first.type)
+        phi.add_incoming(first, before)
+        phi.add_incoming(updated, end)
+        out.append(phi)
+    return out
+
+
+def _reduce_lanes(builder, vectors):
+    """IR: eight vectors -> one vector of their eight lane sums, in order.
+    Pairs of vectors are merged keeping each one's lower and upper halves
+    (``lo + hi``), until one vector holds every sum in blocks; then each
+    block is halved in place.  Every sum gets the same tree: lane ``t`` plus
+    lane ``t + w/2`` at each width ``w``."""
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, picks):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(picks)), picks))
+
+    lanes = vectors[0].type.count
+    width = lanes  # lanes per sum
+    while len(vectors) > 1:
+        half, merged = width // 2, []
+        for a, b in zip(vectors[0::2], vectors[1::2]):
+            blocks = [(0, k * width) for k in range(lanes // width)] + [(lanes, k * width) for k in range(lanes // width)]
+            lo = shuffle(a, b, [src + at + t for src, at in blocks for t in range(half)])
+            hi = shuffle(a, b, [src + at + half + t for src, at in blocks for t in range(half)])
+            merged.append(builder.fadd(lo, hi))
+        vectors, width = merged, half
+    vector = vectors[0]
+    while width > 1:
+        half, count = width // 2, vector.type.count
+        lo = shuffle(vector, vector, [at + t for at in range(0, count, width) for t in range(half)])
+        hi = shuffle(vector, vector, [at + half + t for at in range(0, count, width) for t in range(half)])
+        vector, width = builder.fadd(lo, hi), half
+    return vector
+
+
 # -- exp ----------------------------------------------------------------------------
 
 
@@ -672,53 +842,53 @@ def _reads_narrow_impl(desc, t, narrow_loops):
     return reads_narrow
 
 
-@jit(reassociate=True)
+@jit()
 def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
     """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
-    for many rows, else a loop that scores two query rows against four keys
-    per pass over ``d`` (six loads feed eight vectorised FMAs; one row against
-    one key is load-bound at two loads per FMA).  A pass past the last row or
-    key repeats it: every score then comes from the same vectorised sum, so
-    its bits depend neither on the number of rows (GQA equals MHA with K/V
-    repeated) nor on the tile's length (a masked key at its end changes
-    nothing).  ``kf`` may hold narrow bits (``_element``; the loop only)."""
-    d_k = qt.shape[1]
+    for many rows, else a loop over four keys at a time that scores them
+    against four query rows (or two) per pass (``_dots``); ``prefetch``: the
+    keys ahead, where ``kf`` is the cache itself.  A pass past the last row
+    or key repeats it: every score comes from the same sum, so its bits
+    depend neither on the number of rows (GQA equals MHA with K/V repeated)
+    nor on the tile's length (a masked key at its end changes nothing).
+    ``kf`` may hold bfloat16 or float16 bits (``code``; float32 ``qt`` only)."""
     if use_blas:
         _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn)
         return
-    zero = s.dtype.type(0.0)
-    # Unsigned offsets: no negative-index wraparound, so the loads vectorise.
-    # Keys outer, rows inner: four keys are read from memory once and serve
-    # every row from L1.
-    at, ld = np.uint64(ko), np.uint64(kld)
+    d_k = qt.shape[1]
+    qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
+    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
     ahead = np.uint64(PREFETCH_KEYS) * ld
+    last_key = n - 1
     for j in range(0, n, 4):
-        k0 = at + np.uint64(j) * ld
-        k1 = at + np.uint64(min(j + 1, n - 1)) * ld
-        k2 = at + np.uint64(min(j + 2, n - 1)) * ld
-        k3 = at + np.uint64(min(j + 3, n - 1)) * ld
+        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
+        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
+                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
         if prefetch:
-            _prefetch_ahead(kf, k0 + ahead, 4 * d_k)
-        for r in range(0, rows, 2):
-            r1 = min(r + 1, rows - 1)
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
-            for d in range(d_k):
-                q0, q1 = qt[r, d], qt[r1, d]
-                u = np.uint64(d)
-                x0, x1 = _element(kf, k0 + u, code), _element(kf, k1 + u, code)
-                x2, x3 = _element(kf, k2 + u, code), _element(kf, k3 + u, code)
-                a0 += q0 * x0
-                a1 += q0 * x1
-                a2 += q0 * x2
-                a3 += q0 * x3
-                b0 += q1 * x0
-                b1 += q1 * x1
-                b2 += q1 * x2
-                b3 += q1 * x3
-            # A repeated row or key is written twice with the same value.
-            j1, j2, j3 = min(j + 1, n - 1), min(j + 2, n - 1), min(j + 3, n - 1)
-            s[r, j], s[r, j1], s[r, j2], s[r, j3] = a0, a1, a2, a3
-            s[r1, j], s[r1, j1], s[r1, j2], s[r1, j3] = b0, b1, b2, b3
+            _prefetch_ahead(kf, k_at[0] + ahead, 4 * d_k)
+        r = 0
+        while r + 4 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                    np.uint64(r + 3) * width)
+            _put_scores(sf, n, (r, r + 1, r + 2, r + 3), keys, _dots(qf, q_at, kf, k_at, d_k, code))
+            r += 4
+        if r + 2 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+            _put_scores(sf, n, (r, r + 1), keys, _dots(qf, q_at, kf, k_at, d_k, code))
+            r += 2
+        if r < rows:
+            _put_scores(sf, n, (r,), keys, _dots(qf, (np.uint64(r) * width,), kf, k_at, d_k, code))
+
+
+@jit(inline=True)
+def _put_scores(sf, n, rows, keys, sums):
+    """``s[row, key] = sums[4 * i + j]`` for ``rows[i]``, ``keys[j]``
+    (``sf``: the ``(rows, n)`` scores, flat); a repeated row or key is
+    written twice with the same value."""
+    for i in range(len(rows)):
+        at = np.uint64(rows[i] * n)
+        for j in range(4):
+            sf[at + np.uint64(keys[j])] = sums[4 * i + j]
 
 
 @jit()
