@@ -78,6 +78,8 @@ def _conversion_error(value, name, exc):
 
 def as_int(value, name):
     """An attribute that must be a plain integer (bools are rejected)."""
+    if type(value) is int:  # the common case, first (decode calls are small)
+        return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     try:
@@ -97,6 +99,8 @@ def as_int64(value, name):
 def as_float(value, name):
     """A real number as a Python float (bools, strings and complex rejected);
     an integer too large for a float is a ``ValueError``."""
+    if type(value) is float:
+        return value
     if isinstance(value, (bool, np.bool_, str, bytes, complex, np.complexfloating)) \
             or not hasattr(value, "__float__"):
         raise TypeError(f"{name} must be a number, got {value!r}")
