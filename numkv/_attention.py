@@ -6,6 +6,7 @@ reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
 kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -242,14 +243,14 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         part_acc = np.empty((1, 1, 1), call.acc_dtype)
     claimed = CLAIM_ITEMS and not small
     counter = np.zeros(1 if claimed else 0, np.int64)
-    # Only a kernel handed uint16 here holds the narrow decode loops (see
-    # ``_reads_narrow``): a float32 cache's first call compiles without them,
+    # The kernel holds the narrow decode loops of the K/V dtypes it is handed
+    # here (``_reads_narrow``): a float32 cache's first call compiles none,
     # and so does float64 accumulation, which never takes them.
-    narrow_kv = (call.acc_dtype == np.float32
-                 and any(row[-1] in kernels.NARROW_CODES for row in rows_desc[1:5]))
+    kv_codes = {row[-1] for row in rows_desc[1:5]} if call.acc_dtype == np.float32 else set()
+    loops = _narrow_loops(not kv_codes.isdisjoint(kernels.NARROW_16), not kv_codes.isdisjoint(kernels.NARROW_8))
     _threads.run(kernels.attention_items, n_items * n_chunks, (
         *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
-        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter, _LOOPS[narrow_kv]), small, claimed)
+        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter, loops), small, claimed)
     if n_chunks > 1:  # merge the chunks' partial softmaxes
         _threads.run(kernels.attention_merge, n_items, (buffers[-1], ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
@@ -275,8 +276,11 @@ def _scale_factors(scale, dtype):
     return root, root
 
 
-# The kernel's ``narrow_loops`` operand: with (uint16) or without (uint8) the narrow decode loops.
-_LOOPS = {True: np.zeros(0, np.uint16), False: np.zeros(0, np.uint8)}
+@functools.lru_cache(maxsize=None)
+def _narrow_loops(wide16, wide8):
+    """The kernel's ``narrow_loops`` operand: it must hold the 16-bit and/or
+    the 8-bit narrow decode loops (``kernels.LOOPS``)."""
+    return np.zeros(0, _attention_kernels().LOOPS[wide16, wide8])
 
 # The kernel's mask operand when there is none (never read), per accumulation dtype size.
 _NO_MASK = {4: np.zeros((1, 1, 1, 1), np.float32), 8: np.zeros((1, 1, 1, 1), np.float64)}

@@ -71,25 +71,49 @@ def test_the_arithmetic_decode_matches_the_tables(name):
     assert_same_floats(out, decode_table(dtype))
 
 
-@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
-def test_float8_becomes_the_exact_bfloat16(name):
-    """Decode scores a float8 cache as a tile of bfloat16 bits: every pattern
-    must be a bfloat16 of the same value (any NaN for a NaN)."""
-    dtype = np.dtype(getattr(ml_dtypes, name))
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("length", [16, 3], ids=["vectors", "tail"])
+def test_decode_loops_widen_every_pattern_exactly(name, length):
+    """Decode reads these caches in place, widening each element as it is
+    used: ``_element`` (the value update) and ``_dots`` (the scores; in
+    vector lanes over whole vectors, then element by element).  Key ``j``
+    holds pattern ``j`` first and zeros after; the query is ``(1, 0, ...)``,
+    so each score is the pattern's value (plus zeros: -0.0 becomes 0.0)."""
+    from numba import njit
+
+    dtype = np.dtype(getattr(ml_dtypes, name, name))
     code = kernel_dtype_codes(kernels.DTYPE_CODES)[dtype]
-    patterns = np.arange(256, dtype=np.uint8)
-    bits = np.zeros(256, np.uint16)
-    kernels._float8_to_bfloat16(bits, np.int64(2), np.int64(128), patterns, np.int64(code), np.int64(0),
-                                np.int64(128))
-    assert_same_floats((bits.astype(np.uint32) << 16).view(np.float32), decode_table(dtype))
+    patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
+
+    @njit
+    def widen_all(patterns, keys, q, code, elements, scores):
+        width = np.uint64(q.size)
+        for j in range(patterns.size):
+            elements[j] = kernels._element(patterns, np.uint64(j), code)
+        for j in range(0, patterns.size, 4):
+            k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
+                    np.uint64(j + 3) * width)
+            sums = kernels._dots(q, (np.uint64(0),), keys, k_at, q.size, code)
+            for t in range(4):
+                scores[j + t] = sums[t]
+
+    keys = np.zeros((patterns.size, length), patterns.dtype)
+    keys[:, 0] = patterns
+    q = np.zeros(length, np.float32)
+    q[0] = 1.0
+    elements, scores = (np.full(patterns.size, -1.0, np.float32) for _ in range(2))
+    widen_all(patterns, keys.reshape(-1), q, code, elements, scores)
+    want = decode_table(dtype)
+    assert_same_floats(elements, want)
+    assert_same_floats(scores, want + np.float32(0.0))
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
                                   "float8_e5m2fnuz"])
 def test_decode_on_a_narrow_cache_equals_its_float32_copy(name, rng):
-    """Decode reads a narrow cache its own way (in place, or float8 as
-    bfloat16 tiles); its output must be bit-identical to the same cache
-    widened to float32 first, which decode reads in place."""
+    """Decode reads a narrow cache in place (the fnuz float8s through float32
+    tiles); its output must be bit-identical to the same cache widened to
+    float32 first, which decode reads in place."""
     dtype = np.dtype(getattr(ml_dtypes, name, name))
     q = rng.standard_normal((2, 8, 1, 64)).astype(np.float32)
     k = rng.standard_normal((2, 2, 300, 64)).astype(dtype)
@@ -102,17 +126,21 @@ def test_decode_on_a_narrow_cache_equals_its_float32_copy(name, rng):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-                                  "float8_e5m2fnuz"])
-def test_only_narrow_caches_take_the_kernel_with_narrow_loops(name, rng, monkeypatch):
-    """The wrapper hands the kernel its narrow loops (a uint16
-    ``narrow_loops``) exactly for the K/V dtypes they read, so a float32
-    cache's kernel compiles without them; a kernel without them widens a
-    narrow cache into float32 tiles instead, with the same bits."""
-    dtype = np.dtype(getattr(ml_dtypes, name, name))
+@pytest.mark.parametrize("k_name, v_name, marker", [
+    ("float32", "float32", np.uint8), ("float16", "float16", np.uint16), ("bfloat16", "bfloat16", np.uint16),
+    ("float8_e4m3fn", "float8_e4m3fn", np.int8), ("float8_e5m2", "float8_e5m2", np.int8),
+    ("float8_e5m2fnuz", "float8_e5m2fnuz", np.uint8), ("bfloat16", "float8_e4m3fn", np.int16),
+])
+def test_a_kernel_holds_the_narrow_loops_its_cache_needs(k_name, v_name, marker, rng, monkeypatch):
+    """The wrapper hands the kernel the narrow loops (the dtype of
+    ``narrow_loops``, ``kernels.LOOPS``) of exactly the K/V dtypes it reads,
+    so a float32 cache's kernel compiles none and a bfloat16 one no 8-bit
+    loops; a kernel without the loops a cache needs widens it into float32
+    tiles instead, with the same bits."""
+    k_dtype, v_dtype = (np.dtype(getattr(ml_dtypes, n, n)) for n in (k_name, v_name))
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 300, 64)).astype(dtype)
-    v = rng.standard_normal((1, 2, 300, 64)).astype(dtype)
+    k = rng.standard_normal((1, 2, 300, 64)).astype(k_dtype)
+    v = rng.standard_normal((1, 2, 300, 64)).astype(v_dtype)
     seen, run = [], _threads.run
 
     def spy(kernel, n_items, args, *rest):
@@ -122,12 +150,14 @@ def test_only_narrow_caches_take_the_kernel_with_narrow_loops(name, rng, monkeyp
 
     monkeypatch.setattr(_threads, "run", spy)
     y = numkv.attention(q, k, v)
-    assert seen == [np.uint16 if dtype.itemsize < 4 and "fnuz" not in name else np.uint8]
+    assert seen == [marker]
     numkv.attention(q.astype(np.float64), k, v)  # float64 accumulation never takes the narrow loops
     assert seen[-1] == np.uint8
-    monkeypatch.setattr(_attention, "_LOOPS", dict.fromkeys((True, False), _attention._LOOPS[False]))
-    np.testing.assert_array_equal(numkv.attention(q, k, v), y)
-    assert seen[-1] == np.uint8
+    for other in (np.uint8, np.uint16, np.int8):  # kernels that lack some of the loops needed
+        if other != marker:
+            monkeypatch.setattr(_attention, "_narrow_loops", lambda wide16, wide8: np.zeros(0, other))
+            np.testing.assert_array_equal(numkv.attention(q, k, v), y)
+            assert seen[-1] == other
 
 
 # -- and back: a float16 Y -----------------------------------------------------------

@@ -13,11 +13,10 @@ a kernel called for a narrow cache, ``_reads_narrow``).  Elements are widened
 into tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
 (``_widen_rows``); K/V rows already in the
-accumulation dtype, unit stride, are read in place, and so are bfloat16 and
-float16 rows in decode, widened element by element as the loops use them
-(``_element``: half the bytes read, no tile copy); decode widens
-float8_e4m3fn and float8_e5m2 rows into bfloat16 tiles for the same loops
-(``_narrow_tile``).  Keys ``j < P`` come from
+accumulation dtype, unit stride, are read in place, and so are bfloat16,
+float16, float8_e4m3fn and float8_e5m2 rows in decode, widened element by
+element as the loops use them (``_element``, ``_dots``: a half or a quarter
+of the bytes read, no tile copy; ``_narrow_tile``).  Keys ``j < P`` come from
 the past buffers, the rest from the new K/V (no concatenation).  ``mask``
 (additive) and ``y`` are flat accumulation-dtype buffers with rows of
 ``desc`` too.
@@ -28,9 +27,9 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
-single-thread size); few rows (decode) take loops that score two rows
-against four keys per pass (``_scores``) and add four keys' values to four
-rows per pass (``_accumulate``).
+single-thread size); few rows (decode) take loops that score four rows
+against four keys per pass (``_scores``, ``_dots``) and add four keys'
+values to four rows per pass (``_accumulate``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -106,8 +105,12 @@ Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 (F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
-# K/V dtypes that float32 decode reads with the narrow loops (``_reads_narrow``).
-NARROW_CODES = (F16, BF16, E4M3FN, E5M2)
+# K/V dtypes that float32 decode reads with the narrow loops (``_reads_narrow``),
+# 16- and 8-bit.  The kernel's ``narrow_loops`` operand, an empty array, says by
+# its dtype which of those loops it holds (numba compiles only those):
+# ``LOOPS[(16-bit, 8-bit)]``.
+NARROW_16, NARROW_8 = (F16, BF16), (E4M3FN, E5M2)
+LOOPS = {(False, False): np.uint8, (True, False): np.uint16, (False, True): np.int8, (True, True): np.int16}
 
 # -- widening: bits -> float ----------------------------------------------------
 
@@ -177,7 +180,9 @@ def _prefetch(typingctx, flat, index):
 @jit(inline=True)
 def _prefetch_ahead(flat, start, count):
     """``_prefetch`` the ``count`` elements from ``flat[start]``, a float32
-    cache line (16 elements) at a time: the key rows ``PREFETCH_KEYS`` on."""
+    cache line (16 elements) at a time: the key rows ``PREFETCH_KEYS`` on
+    (a narrow cache's lines get several: one a 64-byte line measured slower,
+    float8_e4m3fn decode Skv=16384 3.4-3.6 ms against 3.2)."""
     for line in range(0, count, 16):
         _prefetch(flat, start + np.uint64(line))
 
@@ -243,42 +248,70 @@ def _decode_bits(typingctx, x, sign_bit, shift, scale, infnan, nan_em, nan_x):
     return sig, codegen
 
 
-@intrinsic
-def _half_to_float32(typingctx, h):
-    """float32 value of the float16 bit pattern in the low 16 bits of ``h``:
-    the CPU's F16C conversion (``vcvtph2ps``, eight at a time) where the
-    target has it, else ``_decode_bits``' arithmetic."""
-    if not isinstance(h, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        features = getattr(context.codegen(), "_tm_features", "") or ""
-        if "+f16c" in features.split(","):
-            half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)) if h.bitwidth > 16
-                                   else builder.zext(args[0], ir.IntType(16)) if h.bitwidth < 16 else args[0],
-                                   ir.HalfType())
-            return builder.fpext(half, ir.FloatType())
-        i32 = ir.IntType(32)
-        u = builder.and_(_as_i32(builder, args[0], h), ir.Constant(i32, 0xFFFF))
-        none = ir.Constant(i32, NONE)
-        return _emit_decode(builder, u, ir.Constant(i32, 0x8000), ir.Constant(i32, 13),
-                            ir.Constant(ir.FloatType(), 2.0 ** 112), ir.Constant(i32, 0x7C00), none, none)
-
-    return types.float32(h), codegen
+def _has_f16c(context):
+    """Whether the compile target converts float16 in hardware (x86 F16C)."""
+    features = getattr(context.codegen(), "_tm_features", "") or ""
+    return "+f16c" in features.split(",")
 
 
-@jit(inline=True)
-def _e5m2_to_float32(x):
-    """float32 value of the float8_e5m2 bits ``x``: float16's upper byte."""
-    return _half_to_float32(np.uint16(x) << 8)
+def _narrow_intrinsic(narrow, bits, doc):
+    """An intrinsic: the float32 value of ``narrow`` float bits (``_widen_ir``)
+    held in an integer's low ``bits`` bits."""
+    def typer(typingctx, x):
+        if not isinstance(x, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            value, ty = args[0], ir.IntType(bits)
+            if x.bitwidth > bits:
+                value = builder.trunc(value, ty)
+            elif x.bitwidth < bits:
+                value = builder.zext(value, ty)
+            return _widen_ir(builder, value, narrow, _has_f16c(context))
+        return types.float32(x), codegen
+    typer.__name__, typer.__doc__ = f"_{narrow}_to_float32", doc
+    return intrinsic(typer)
 
 
-@jit(inline=True)
-def _e4m3fn_to_float32(x):
-    """float32 value of the float8_e4m3fn bits ``x``: as a float16 of bias 15
-    (not 7), times 2**8; S.1111.111 is NaN."""
-    half = _half_to_float32(((np.uint16(x) & 0x7F) << 7) | ((np.uint16(x) & 0x80) << 8))
-    return np.float32(np.nan) if x & 0x7F == 0x7F else half * np.float32(256.0)
+_half_to_float32 = _narrow_intrinsic("f16", 16, "float32 value of float16 bits (F16C where the CPU has it).")
+_e5m2_to_float32 = _narrow_intrinsic("e5m2", 8, "float32 value of float8_e5m2 bits: float16's upper byte.")
+_e4m3fn_to_float32 = _narrow_intrinsic("e4m3fn", 8, "float32 value of float8_e4m3fn bits.")
+
+
+def _splat(ty, value):
+    """A constant of ``ty`` (a scalar or vector type) with every lane ``value``."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def _widen_ir(builder, bits, narrow, f16c):
+    """IR: the float32 values of narrow float ``bits`` (integers, a scalar
+    or a vector -- a scalar where the target lacks F16C) of format
+    ``narrow``: "bf16", "f16", "e5m2" or "e4m3fn".  Exact, inf and NaN
+    included.  In 16-bit lanes: numba's own arithmetic on small integers
+    widens them to 64 bits, and its loops then vectorise poorly."""
+    def like(elem):
+        return ir.VectorType(elem, bits.type.count) if isinstance(bits.type, ir.VectorType) else elem
+
+    f32, i16, i32 = like(ir.FloatType()), like(ir.IntType(16)), like(ir.IntType(32))
+    if narrow == "bf16":  # float32's upper half
+        return builder.bitcast(builder.shl(builder.zext(bits, i32), _splat(i32, 16)), f32)
+    if narrow == "f16":
+        if f16c:  # the CPU's conversion (vcvtph2ps), many at a time
+            return builder.fpext(builder.bitcast(bits, like(ir.HalfType())), f32)
+        c32 = lambda v: ir.Constant(ir.IntType(32), v)  # noqa: E731
+        return _emit_decode(builder, builder.zext(bits, ir.IntType(32)), c32(0x8000), c32(13),
+                            ir.Constant(ir.FloatType(), 2.0 ** 112), c32(0x7C00), c32(NONE), c32(NONE))
+    if narrow == "e5m2":  # float16's upper byte
+        return _widen_ir(builder, builder.shl(builder.zext(bits, i16), _splat(i16, 8)), "f16", f16c)
+    # float8_e4m3fn: a float16 of bias 15 (not 7), times 2**8; S.1111.111 is
+    # NaN.  Sign-extended and shifted by 7, the sign lands on bits 15 and 14:
+    # clearing 14 leaves the float16 (3 operations, against 6 by masks).
+    half = builder.and_(builder.shl(builder.sext(bits, i16), _splat(i16, 7)), _splat(i16, 0xBFFF))
+    value = builder.fmul(_widen_ir(builder, half, "f16", f16c), _splat(f32, 256.0))
+    nan = builder.icmp_unsigned("==", builder.and_(half, _splat(i16, 0x3F80)), _splat(i16, 0x3F80))
+    return builder.select(nan, _splat(f32, float("nan")), value)
 
 
 @jit(inline=True)
@@ -354,23 +387,6 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
                                               infnan, nan_em, nan_x)
 
 
-@jit()
-def _float8_to_bfloat16(dst, n, width, buf, code, base, seq_stride):
-    """``dst[t * width + c]`` = the bfloat16 bits of float8_e4m3fn or
-    float8_e5m2 (``code``) element ``base + t * seq_stride + c`` of ``buf``.
-    Exact: a float8 has at most 3 mantissa bits and float32's exponent range
-    covers its own, so its float32 value ends in 16 zero bits."""
-    for t in range(n):
-        for line in range(0, width, 64):  # the row PREFETCH_KEYS on
-            _prefetch(buf, np.uint64(base + (t + PREFETCH_KEYS) * seq_stride + line))
-        at = np.uint64(base + t * seq_stride)
-        row = np.uint64(t * width)
-        for c in range(width):
-            x = buf[at + np.uint64(c)]
-            f = _e5m2_to_float32(x) if code == E5M2 else _e4m3fn_to_float32(x)
-            dst[row + np.uint64(c)] = np.uint16(_bits_of_float32(f) >> 16)
-
-
 @jit(inline=True)
 def _tile_origin(j0, b, hk, desc, t):
     """``(at, ld)``: key ``j0 + j``'s row of tensor ``t`` starts at element
@@ -395,35 +411,35 @@ def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_cod
     return scratch, first_row, width, False
 
 
-def _narrow_tile(scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops):
-    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` (one that
-    ``_reads_narrow``) as ``(bytes, at, ld, code, in_place)`` for
-    ``_scores_narrow`` and ``_accumulate_narrow``: bfloat16 and float16 rows
-    in place; float8 rows as a tile of bfloat16 bits in ``scratch``, the
-    cheapest of those loops to read (float8_e4m3fn decode, Skv=16384, 2 threads: 5.1-5.6 ms
-    against 5.8-6.1 through a float32 tile and the float32 loops)."""
+def _narrow_tile(j0, b, hk, buf, desc, t, narrow_loops):
+    """Keys ``j0 ..`` of kv head ``hk`` from tensor ``t`` (one that
+    ``_reads_narrow``) as ``(bytes, at, ld)`` for ``_scores_narrow`` and
+    ``_accumulate_narrow``, which read them in place: key ``j``'s row starts
+    at element ``at + j * ld`` (elements of the tensor's own dtype)."""
+
+
+def _narrow_widths(narrow_loops):
+    """``(16-bit, 8-bit)``: which narrow loops a kernel holds (``LOOPS``)."""
+    return {types.uint16: (True, False), types.int8: (False, True),
+            types.int16: (True, True)}.get(narrow_loops.dtype, (False, False))
 
 
 @overload(_narrow_tile)
-def _narrow_tile_impl(scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops):
-    if narrow_loops.dtype != types.uint16:  # never called: see _reads_narrow
-        return lambda scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops: (buf, j0, j0, j0, False)
+def _narrow_tile_impl(j0, b, hk, buf, desc, t, narrow_loops):
+    if _narrow_widths(narrow_loops) == (False, False):  # never called: see _reads_narrow
+        return lambda j0, b, hk, buf, desc, t, narrow_loops: (buf, j0, j0)
 
-    def tile_of(scratch, j0, n, width, b, hk, buf, desc, t, narrow_loops):
+    def tile_of(j0, b, hk, buf, desc, t, narrow_loops):
         at, ld = _tile_origin(j0, b, hk, desc, t)
-        code = desc[t, DTYPE]
-        if code == BF16 or code == F16:
-            return buf, at, ld, code, True
-        tile = scratch.view(np.uint8)
-        _float8_to_bfloat16(tile.view(np.uint16), n, width, buf, code, at, ld)
-        return tile, at - at, width, BF16, False
+        return buf, at, ld
     return tile_of
 
 
 def _element(flat, i, code):
     """``flat[i]`` as a float: a float32/float64 buffer's element as it is;
-    a uint16 buffer holds bfloat16 or float16 bits (``code``), widened as
-    they are read (decode reads a narrow cache so, with no tile copy)."""
+    a uint16 buffer holds bfloat16 or float16 bits, a uint8 one
+    float8_e4m3fn or float8_e5m2 bits (``code``), widened as they are read
+    (decode reads a narrow cache so, with no tile copy)."""
 
 
 @overload(_element)
@@ -433,6 +449,11 @@ def _element_impl(flat, i, code):
             h = flat[i]
             return _float32_from_bits(np.uint32(h) << 16) if code == BF16 else _half_to_float32(h)
         return widen
+    if flat.dtype == types.uint8:
+        def widen8(flat, i, code):
+            x = flat[i]
+            return _e5m2_to_float32(x) if code == E5M2 else _e4m3fn_to_float32(x)
+        return widen8
     return lambda flat, i, code: flat[i]
 
 
@@ -475,8 +496,8 @@ def _dots(typingctx, q, q_at, k, k_at, length, code):
     """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
     ``k[k_at[j]:][:length]`` of the flat arrays ``q`` and ``k`` (``R = 2``
     or 4 offsets in ``q_at``, four in ``k_at``), row-major: ``sums[4 * r +
-    j]``.  ``k`` holds ``q``'s dtype, or bfloat16 / float16 bits (uint16,
-    which of them by ``code``).
+    j]``.  ``k`` holds ``q``'s dtype, or bfloat16 / float16 bits (uint16),
+    or float8_e4m3fn / float8_e5m2 bits (uint8), which of them by ``code``.
 
     Written as LLVM IR so that the eight sums of a vector loop are reduced
     together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
@@ -501,19 +522,22 @@ def _emit_dots(context, builder, sig, args):
     k_rows = [builder.gep(k_arr.data, [builder.extract_value(args[3], j)]) for j in range(4)]
     real = context.get_value_type(q_ty.dtype)
     if k_ty.dtype == q_ty.dtype:
-        return _pack(context, builder, sig, _dot_sums(builder, q_rows, k_rows, length, real, None))
-    # uint16 keys: bfloat16 or float16, a branch outside the loops
-    is_half = builder.icmp_signed("==", args[5], ir.Constant(args[5].type, F16))
-    with builder.if_else(is_half) as (half, brain):
-        with half:
-            sums_half, from_half = _dot_sums(builder, q_rows, k_rows, length, real, "f16"), builder.block
-        with brain:
-            sums_brain, from_brain = _dot_sums(builder, q_rows, k_rows, length, real, "bf16"), builder.block
+        return _pack(context, builder, sig, _dot_sums(builder, q_rows, k_rows, length, real, None, False))
+    # Narrow keys, in two formats per width (a branch outside the loops):
+    # uint16 float16 or bfloat16, uint8 float8_e5m2 or float8_e4m3fn.
+    first, other = ("f16", "bf16") if k_ty.dtype == types.uint16 else ("e5m2", "e4m3fn")
+    f16c = _has_f16c(context)
+    is_first = builder.icmp_signed("==", args[5], ir.Constant(args[5].type, F16 if first == "f16" else E5M2))
+    with builder.if_else(is_first) as (then, otherwise):
+        with then:
+            sums_first, from_first = _dot_sums(builder, q_rows, k_rows, length, real, first, f16c), builder.block
+        with otherwise:
+            sums_other, from_other = _dot_sums(builder, q_rows, k_rows, length, real, other, f16c), builder.block
     merged = []
-    for a, b in zip(sums_half, sums_brain):
+    for a, b in zip(sums_first, sums_other):
         phi = builder.phi(real)
-        phi.add_incoming(a, from_half)
-        phi.add_incoming(b, from_brain)
+        phi.add_incoming(a, from_first)
+        phi.add_incoming(b, from_other)
         merged.append(phi)
     return _pack(context, builder, sig, merged)
 
@@ -525,29 +549,24 @@ def _pack(context, builder, sig, values):
     return out
 
 
-_BYTES = {"float": 4, "double": 8, "i16": 2}
+_BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
 
 
-def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
-    """IR: the sums of ``_dots`` (``narrow``: None, "bf16" or "f16" keys)."""
+def _dot_sums(builder, q_rows, k_rows, length, real, narrow, f16c):
+    """IR: the sums of ``_dots`` (``narrow``: the keys' format, ``_widen_ir``;
+    None: ``real``).  Without F16C, float16-based keys go one at a time."""
     i64 = ir.IntType(64)
     lanes = VECTOR_BYTES // (4 if isinstance(real, ir.FloatType) else 8)
     vec = ir.VectorType(real, lanes)
     whole = builder.and_(length, ir.Constant(i64, -lanes))
+    if narrow not in (None, "bf16") and not f16c:
+        whole = ir.Constant(i64, 0)
 
     def load(row, at, width, is_key):
         elem = row.type.pointee
         ty = ir.VectorType(elem, width) if width > 1 else elem
         value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
-        if not is_key or narrow is None:
-            return value
-        if narrow == "f16":
-            half = ir.VectorType(ir.HalfType(), width) if width > 1 else ir.HalfType()
-            return builder.fpext(builder.bitcast(value, half), vec if width > 1 else real)
-        i32 = ir.VectorType(ir.IntType(32), width) if width > 1 else ir.IntType(32)
-        bits = builder.shl(builder.zext(value, i32), ir.Constant(i32, 16) if width == 1
-                           else ir.Constant(i32, [16] * width))
-        return builder.bitcast(bits, vec if width > 1 else real)
+        return _widen_ir(builder, value, narrow, f16c) if is_key and narrow else value
 
     def fmuladd(ty):
         name = f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}" \
@@ -564,6 +583,8 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
         return body
 
     n_sums = 4 * len(q_rows)
+    if isinstance(whole, ir.Constant):  # no vector loop
+        return _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
     vectors = _emit_loop(builder, ir.Constant(i64, 0), whole, lanes, [ir.Constant(vec, None)] * n_sums,
                          step(lanes, vec))
     sums = []
@@ -760,7 +781,7 @@ def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
 
 @overload(_gemm_scores)
 def _gemm_scores_impl(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
-    if kf.dtype == types.uint16:
+    if kf.dtype != qt.dtype:
         return lambda qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn: None
 
     def products(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
@@ -778,7 +799,7 @@ def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
 
 @overload(_gemm_accumulate)
 def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
-    if vf.dtype == types.uint16:
+    if vf.dtype != acc.dtype:
         return lambda p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn: None
 
     def products(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
@@ -790,55 +811,70 @@ def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
     return products
 
 
-def _scores_narrow(qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops):
-    """``_scores`` reading bfloat16 or float16 keys (``code``) as they are,
-    from the raw bytes ``buf``: decode on a narrow cache, with no tile copy
-    (``prefetch``: the keys ahead, where ``buf`` is the cache itself).
+def _scores_narrow(qt, buf, ko, kld, s, rows, n, code, narrow_loops):
+    """``_scores`` reading float16, bfloat16, float8_e4m3fn or float8_e5m2
+    keys (``code``) as they are, from the raw bytes ``buf`` of the cache
+    (decode on a narrow cache: no tile copy, the keys ahead prefetched).
     Compiled only into a kernel with ``narrow_loops`` (see ``_reads_narrow``)
     whose accumulation is float32 (``qt``): for float64 nothing is compiled
     (that kernel always widens into tiles)."""
 
 
 @overload(_scores_narrow)
-def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops):
-    if qt.dtype != types.float32 or narrow_loops.dtype != types.uint16:
-        return lambda qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops: None
-    return lambda qt, buf, ko, kld, s, rows, n, code, prefetch, narrow_loops: _scores(
-        qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, prefetch, code)
+def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code, narrow_loops):
+    wide16, wide8 = _narrow_widths(narrow_loops)
+    if qt.dtype != types.float32:
+        wide16 = wide8 = False
+
+    def scores(qt, buf, ko, kld, s, rows, n, code, narrow_loops):
+        if wide16 and (code == BF16 or code == F16):
+            _scores(qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, True, code)
+        elif wide8:
+            _scores(qt, buf, ko, kld, s, rows, n, False, 0, 0, True, code)
+    return scores
 
 
-def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops):
-    """``_accumulate`` reading bfloat16 or float16 values as they are (as
+def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code, narrow_loops):
+    """``_accumulate`` reading narrow values as they are (as
     ``_scores_narrow``; the loop leaves masked keys out by their weights)."""
 
 
 @overload(_accumulate_narrow)
-def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops):
-    if acc.dtype != types.float32 or narrow_loops.dtype != types.uint16:
-        return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops: None
-    return lambda p, buf, vo, vld, acc, alpha, rows, n, code, prefetch, narrow_loops: _accumulate(
-        p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, prefetch, code)
+def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code, narrow_loops):
+    wide16, wide8 = _narrow_widths(narrow_loops)
+    if acc.dtype != types.float32:
+        wide16 = wide8 = False
+
+    def accumulate(p, buf, vo, vld, acc, alpha, rows, n, code, narrow_loops):
+        if wide16 and (code == BF16 or code == F16):
+            _accumulate(p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, True, code)
+        elif wide8:
+            _accumulate(p, buf, vo, vld, acc, alpha, rows, n, False, False, 0, 0, True, code)
+    return accumulate
 
 
 def _reads_narrow(desc, t, narrow_loops):
     """Whether tensor ``t`` holds unit-stride rows that decode reads through
-    ``_narrow_tile``: bfloat16, float16, float8_e4m3fn or float8_e5m2.
+    ``_narrow_tile``: bfloat16 or float16 where the kernel holds the 16-bit
+    loops, float8_e4m3fn or float8_e5m2 where it holds the 8-bit ones.
 
-    Never in a kernel compiled for a uint8 ``narrow_loops`` (an empty array
-    the wrapper passes: uint16 where a K/V operand has one of those dtypes):
-    that kernel widens every K/V tile and leaves the narrow loops out (a
-    first float32 call from an empty cache: 10.0-10.3 s, against 13.9-14.3
-    s with them; a narrow cache's rows would take ``_kv_tile``: the same
-    results, only slower)."""
+    The wrapper passes the ``narrow_loops`` marker (``LOOPS``) of the K/V
+    dtypes a call reads, so a float32 cache's kernel has no narrow loops,
+    and a bfloat16 one no 8-bit loops (first call from an empty cache,
+    float32 cache: 10.0-10.3 s, against 13.9-14.3 s with every loop; a
+    bfloat16 cache 16 s, against 25 s).  A row the kernel has no loops for
+    takes ``_kv_tile``: the same results, only slower."""
 
 
 @overload(_reads_narrow)
 def _reads_narrow_impl(desc, t, narrow_loops):
-    if narrow_loops.dtype != types.uint16:
+    wide16, wide8 = _narrow_widths(narrow_loops)
+    codes = (NARROW_16 if wide16 else ()) + (NARROW_8 if wide8 else ())
+    if not codes:
         return lambda desc, t, narrow_loops: False
 
     def reads_narrow(desc, t, narrow_loops):
-        return desc[t, DTYPE] in NARROW_CODES and desc[t, STRIDE_D] == 1
+        return desc[t, DTYPE] in codes and desc[t, STRIDE_D] == 1
     return reads_narrow
 
 
@@ -1211,9 +1247,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         n = min(bk, seg_hi + 1 - j0)
                         s = sbuf[:rows * n].reshape((rows, n))
                         if narrow and _reads_narrow(desc, tk, narrow_loops):
-                            k_narrow, ko, kld, k_code, k_in_place = _narrow_tile(kbuf, j0 - shift, n, d_k, b, hk,
-                                                                                 kb, desc, tk, narrow_loops)
-                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, k_code, k_in_place, narrow_loops)
+                            k_narrow, ko, kld = _narrow_tile(j0 - shift, b, hk, kb, desc, tk, narrow_loops)
+                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, desc[tk, DTYPE], narrow_loops)
                         else:
                             kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
                                                                table, formats, acc_code)
@@ -1226,9 +1261,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
                         if narrow and _reads_narrow(desc, tv, narrow_loops):
-                            v_narrow, vo, vld, v_code, v_in_place = _narrow_tile(vbuf, j0 - shift, n, d_v, b, hk,
-                                                                                 vb, desc, tv, narrow_loops)
-                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, v_code, v_in_place,
+                            v_narrow, vo, vld = _narrow_tile(j0 - shift, b, hk, vb, desc, tv, narrow_loops)
+                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, desc[tv, DTYPE],
                                                narrow_loops)
                         else:
                             vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
