@@ -882,12 +882,13 @@ def _reads_narrow_impl(desc, t, narrow_loops):
 def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
     """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
     for many rows, else a loop over four keys at a time that scores them
-    against four query rows (or two) per pass (``_dots``); ``prefetch``: the
-    keys ahead, where ``kf`` is the cache itself.  A pass past the last row
-    or key repeats it: every score comes from the same sum, so its bits
-    depend neither on the number of rows (GQA equals MHA with K/V repeated)
-    nor on the tile's length (a masked key at its end changes nothing).
-    ``kf`` may hold bfloat16 or float16 bits (``code``; float32 ``qt`` only)."""
+    against four query rows (then two, then one) per pass (``_dots``);
+    ``prefetch``: the keys ahead, where ``kf`` is the cache itself.  A pass
+    past the last key repeats it: every score comes from the same sum, so
+    its bits depend neither on the number of rows (GQA equals MHA with K/V
+    repeated) nor on the tile's length (a masked key at its end changes
+    nothing).  ``kf`` may hold 16- or 8-bit narrow floats (``code``; float32
+    ``qt`` only)."""
     if use_blas:
         _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn)
         return
