@@ -72,6 +72,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np import numpy_support
 from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
@@ -127,18 +128,6 @@ def _float32_from_bits(typingctx, bits):
         return builder.bitcast(low, context.get_value_type(types.float32))
 
     return types.float32(bits), codegen
-
-
-@intrinsic
-def _bits_of_float32(typingctx, x):
-    """The bits of the float32 ``x`` as a uint32 (a bit cast)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(x), codegen
 
 
 @intrinsic
@@ -420,8 +409,7 @@ def _narrow_tile(j0, b, hk, buf, desc, t, narrow_loops):
 
 def _narrow_widths(narrow_loops):
     """``(16-bit, 8-bit)``: which narrow loops a kernel holds (``LOOPS``)."""
-    return {types.uint16: (True, False), types.int8: (False, True),
-            types.int16: (True, True)}.get(narrow_loops.dtype, (False, False))
+    return {numpy_support.from_dtype(np.dtype(dtype)): widths for widths, dtype in LOOPS.items()}[narrow_loops.dtype]
 
 
 @overload(_narrow_tile)
@@ -494,8 +482,8 @@ VECTOR_BYTES = 64
 @intrinsic
 def _dots(typingctx, q, q_at, k, k_at, length, code):
     """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
-    ``k[k_at[j]:][:length]`` of the flat arrays ``q`` and ``k`` (``R = 2``
-    or 4 offsets in ``q_at``, four in ``k_at``), row-major: ``sums[4 * r +
+    ``k[k_at[j]:][:length]`` of the flat arrays ``q`` and ``k`` (``R`` = 1,
+    2 or 4 offsets in ``q_at``, four in ``k_at``), row-major: ``sums[4 * r +
     j]``.  ``k`` holds ``q``'s dtype, or bfloat16 / float16 bits (uint16),
     or float8_e4m3fn / float8_e5m2 bits (uint8), which of them by ``code``.
 
@@ -920,8 +908,8 @@ def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
 @jit(inline=True)
 def _put_scores(sf, n, rows, keys, sums):
     """``s[row, key] = sums[4 * i + j]`` for ``rows[i]``, ``keys[j]``
-    (``sf``: the ``(rows, n)`` scores, flat); a repeated row or key is
-    written twice with the same value."""
+    (``sf``: the ``(rows, n)`` scores, flat); a repeated key (past the
+    tile's end) is written twice with the same value."""
     for i in range(len(rows)):
         at = np.uint64(rows[i] * n)
         for j in range(4):
