@@ -217,19 +217,32 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
                    blas_rows=blas_rows,
                    gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT,  # unsplit: no limit
                    gemm_fn=_blas_threads.gemm_function(call.acc_dtype.itemsize))
+    # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
+    # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
+    # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    buffers, rows_desc = [], []
-    for name in kernels.TENSORS[:5]:  # q, past_k, k, past_v, v: raw bytes
-        arr = getattr(call, name)
+    buffers, desc = [], []
+    for arr in (call.q, call.past_k, call.k, call.past_v, call.v):
         flat, base, strides = byte_operand(arr)
         buffers.append(flat)
-        rows_desc.append((base, *strides, codes[arr.dtype]))
-    mask = call.mask if call.mask is not None else _NO_MASK[call.acc_dtype.itemsize]
-    for arr in (mask, y4):  # the additive mask and Y: the accumulation dtype
-        flat, base, strides = flat_view(arr, call.acc_dtype)
+        desc += (base, *strides, codes[arr.dtype])
+    size = call.acc_dtype.itemsize
+    # The kernel holds the narrow decode loops of the K/V dtypes it is handed
+    # here (``_reads_narrow``): a float32 cache's first call compiles none,
+    # and so does float64 accumulation, which never takes them.
+    width = len(kernels.TENSOR_FIELDS)
+    kv_codes = set(desc[width + kernels.DTYPE::width]) if size == 4 else set()  # K and V rows
+    loops = _narrow_loops(not kv_codes.isdisjoint(kernels.NARROW_16), not kv_codes.isdisjoint(kernels.NARROW_8))
+    if call.mask is None:
+        buffers.append(_NO_MASK[size])
+        desc += _NO_MASK_ROW
+    else:
+        flat, base, strides = flat_view(call.mask, call.acc_dtype)
         buffers.append(flat)
-        rows_desc.append((base, *strides, 0))
-    desc = np.array(rows_desc, np.int64)
+        desc += (base, *strides, 0)
+    buffers.append(y.reshape(-1))  # new and contiguous: y4 starts where y does
+    desc += (0, *[s // size for s in y4.strides], 0)
+    desc = np.array(desc, np.int64).reshape(len(kernels.TENSORS), width)
     floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
 
     n_items = b * hkv * n_units
@@ -238,16 +251,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         part_m = np.empty((n_items * n_chunks, rows), call.acc_dtype)
         part_l = np.empty((n_items * n_chunks, rows), call.acc_dtype)
         part_acc = np.empty((n_items * n_chunks, rows, dv), call.acc_dtype)
-    else:
-        part_m = part_l = np.empty((1, 1), call.acc_dtype)
-        part_acc = np.empty((1, 1, 1), call.acc_dtype)
+    else:  # never touched
+        part_m, part_acc = _NO_PARTS[size]
+        part_l = part_m
     claimed = CLAIM_ITEMS and not small
-    counter = np.zeros(1 if claimed else 0, np.int64)
-    # The kernel holds the narrow decode loops of the K/V dtypes it is handed
-    # here (``_reads_narrow``): a float32 cache's first call compiles none,
-    # and so does float64 accumulation, which never takes them.
-    kv_codes = {row[-1] for row in rows_desc[1:5]} if call.acc_dtype == np.float32 else set()
-    loops = _narrow_loops(not kv_codes.isdisjoint(kernels.NARROW_16), not kv_codes.isdisjoint(kernels.NARROW_8))
+    counter = np.zeros(1, np.int64) if claimed else _NO_COUNTER
     _threads.run(kernels.attention_items, n_items * n_chunks, (
         *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
         kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter, loops), small, claimed)
@@ -282,8 +290,15 @@ def _narrow_loops(wide16, wide8):
     the 8-bit narrow decode loops (``kernels.LOOPS``)."""
     return np.zeros(0, _attention_kernels().LOOPS[wide16, wide8])
 
-# The kernel's mask operand when there is none (never read), per accumulation dtype size.
-_NO_MASK = {4: np.zeros((1, 1, 1, 1), np.float32), 8: np.zeros((1, 1, 1, 1), np.float64)}
+# Operands the kernel is handed but never reads or writes, per accumulation
+# dtype size: the mask when there is none (and its ``desc`` row), the partial
+# softmaxes of a call whose keys are not split, the counter of a call whose
+# items are not claimed.
+_NO_MASK = {4: np.zeros(1, np.float32), 8: np.zeros(1, np.float64)}
+_NO_MASK_ROW = (0, 0, 0, 0, 0, 0)
+_NO_PARTS = {n: (np.zeros((1, 1), dtype), np.zeros((1, 1, 1), dtype))
+             for n, dtype in ((4, np.float32), (8, np.float64))}
+_NO_COUNTER = np.zeros(0, np.int64)
 
 
 def _fields(names, **values):

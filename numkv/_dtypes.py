@@ -201,6 +201,7 @@ ATTENTION_DTYPES = frozenset(
 
 
 _NO_BYTES = np.zeros(8, np.uint8)
+_BYTE = np.dtype(np.uint8)
 
 
 def byte_operand(arr):
@@ -211,7 +212,8 @@ def byte_operand(arr):
     if not arr.size:  # nothing is read (an empty past)
         return _NO_BYTES, 0, [0] * arr.ndim
     if flags.c_contiguous and flags.writeable:  # the common case, at a tenth of the cost
-        return arr.reshape(-1).view(np.uint8), 0, [s // arr.itemsize for s in arr.strides]
+        n = arr.itemsize
+        return arr.ravel().view(_BYTE), 0, [s // n for s in arr.strides]
     if not flags.aligned:  # rare (a view into packed bytes): costs one O(input) copy
         arr = np.ascontiguousarray(arr)
     flat, base, strides = flat_view(arr, _UNSIGNED[arr.itemsize])
