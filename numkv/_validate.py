@@ -113,8 +113,7 @@ def as_float(value, name):
 
 
 def normalize_axis(axis, ndim, name="axis"):
-    if type(axis) is not int:
-        axis = as_int(axis, name)
+    axis = as_int(axis, name)
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name} {axis} is out of range for rank {ndim}")
     return axis % ndim

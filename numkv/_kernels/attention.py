@@ -8,8 +8,8 @@ Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype (two: the narrow decode loops below are compiled only into
-a kernel called for a narrow cache, ``_reads_narrow``).  Elements are widened
+every input dtype (but the narrow decode loops below, 16- and 8-bit, are
+compiled only into the kernels called for such a cache, ``_reads_narrow``).  Elements are widened
 into tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
 (``_widen_rows``); K/V rows already in the
@@ -1162,8 +1162,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     covers all ``G`` heads of the kv head for a pair of query tiles over every
     key, or for one query tile over one chunk of keys (its partial softmax then
     goes to ``part_*``, for ``attention_merge``).  ``narrow_loops``: an empty
-    array whose dtype says whether the narrow decode loops are compiled in
-    (``_reads_narrow``).  (One function, not a loop
+    array whose dtype says which narrow decode loops, 16- and/or 8-bit, are
+    compiled in (``LOOPS``, ``_reads_narrow``).  (One function, not a loop
     calling an item function: each level of calls re-optimises all the code
     below it, and this one cost ~4 s of compile time.)"""
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
