@@ -76,6 +76,7 @@ from numba.np import numpy_support
 from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
+from .narrow import has_f16c  # a test of the CPU numba compiles for, run while compiling
 
 # -- the layout: ints[] slots, desc[] rows and columns, dtype codes ------------
 # The wrapper fills these by name (``_attention.run``); they are defined once, here.
@@ -237,12 +238,6 @@ def _decode_bits(typingctx, x, sign_bit, shift, scale, infnan, nan_em, nan_x):
     return sig, codegen
 
 
-def _has_f16c(context):
-    """Whether the compile target converts float16 in hardware (x86 F16C)."""
-    features = getattr(context.codegen(), "_tm_features", "") or ""
-    return "+f16c" in features.split(",")
-
-
 def _narrow_intrinsic(narrow, bits, doc):
     """An intrinsic: the float32 value of ``narrow`` float bits (``_widen_ir``)
     held in an integer's low ``bits`` bits."""
@@ -256,7 +251,7 @@ def _narrow_intrinsic(narrow, bits, doc):
                 value = builder.trunc(value, ty)
             elif x.bitwidth < bits:
                 value = builder.zext(value, ty)
-            return _widen_ir(builder, value, narrow, _has_f16c(context))
+            return _widen_ir(builder, value, narrow, has_f16c())
         return types.float32(x), codegen
     typer.__name__, typer.__doc__ = f"_{narrow}_to_float32", doc
     return intrinsic(typer)
@@ -514,7 +509,7 @@ def _emit_dots(context, builder, sig, args):
     # Narrow keys, in two formats per width (a branch outside the loops):
     # uint16 float16 or bfloat16, uint8 float8_e5m2 or float8_e4m3fn.
     first, other = ("f16", "bf16") if k_ty.dtype == types.uint16 else ("e5m2", "e4m3fn")
-    f16c = _has_f16c(context)
+    f16c = has_f16c()
     is_first = builder.icmp_signed("==", args[5], ir.Constant(args[5].type, F16 if first == "f16" else E5M2))
     with builder.if_else(is_first) as (then, otherwise):
         with then:
