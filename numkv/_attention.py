@@ -6,7 +6,6 @@ reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
 kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 """
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -227,12 +226,6 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         buffers.append(flat)
         desc += (base, *strides, codes[arr.dtype])
     size = call.acc_dtype.itemsize
-    # The kernel holds the narrow decode loops of the K/V dtypes it is handed
-    # here (``_reads_narrow``): a float32 cache's first call compiles none,
-    # and so does float64 accumulation, which never takes them.
-    width = len(kernels.TENSOR_FIELDS)
-    kv_codes = set(desc[width + kernels.DTYPE::width]) if size == 4 else set()  # K and V rows
-    loops = _narrow_loops(not kv_codes.isdisjoint(kernels.NARROW_16), not kv_codes.isdisjoint(kernels.NARROW_8))
     if call.mask is None:
         buffers.append(_NO_MASK[size])
         desc += _NO_MASK_ROW
@@ -242,7 +235,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
         desc += (base, *strides, 0)
     buffers.append(y.reshape(-1))  # new and contiguous: y4 starts where y does
     desc += (0, *[s // size for s in y4.strides], 0)
-    desc = np.array(desc, np.int64).reshape(len(kernels.TENSORS), width)
+    desc = np.array(desc, np.int64).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
 
     n_items = b * hkv * n_units
@@ -258,7 +251,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None):
     counter = np.zeros(1, np.int64) if claimed else _NO_COUNTER
     _threads.run(kernels.attention_items, n_items * n_chunks, (
         *buffers, ints, desc, floats, call.offset, call.valid, e8m0_table(),
-        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter, loops), small, claimed)
+        kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter), small, claimed)
     if n_chunks > 1:  # merge the chunks' partial softmaxes
         _threads.run(kernels.attention_merge, n_items, (buffers[-1], ints, desc, part_m, part_l, part_acc),
                      small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
@@ -283,12 +276,6 @@ def _scale_factors(scale, dtype):
     root = math.sqrt(scale)
     return root, root
 
-
-@functools.lru_cache(maxsize=None)
-def _narrow_loops(wide16, wide8):
-    """The kernel's ``narrow_loops`` operand: it must hold the 16-bit and/or
-    the 8-bit narrow decode loops (``kernels.LOOPS``)."""
-    return np.zeros(0, _attention_kernels().LOOPS[wide16, wide8])
 
 # Operands the kernel is handed but never reads or writes, per accumulation
 # dtype size: the mask when there is none (and its ``desc`` row), the partial

@@ -75,16 +75,13 @@ class _Progress:
             self.stream.flush()
 
 
-def _first_compile(label, kwargs):
+def _first_compile(label):
     """What a run's first call may compile, and about how long that takes from
     a cold cache (measured on 2 cores: 8.6-9.3 s for the first run's float32
-    attention; 7.5-8.2 s for the attention kernel with the narrow decode
-    loops, which a float16, bfloat16 or float8 cache's run adds; 0.5 s for
+    attention, whose kernel every later run's cache dtype reuses; 0.5 s for
     each cache dtype's writes)."""
     if label.startswith("(a)"):
         return f"run {label}: float32 attention", 10
-    if "dtype" in kwargs:  # every --kv-dtype choice is read by the narrow loops
-        return f"run {label}: attention on a {kwargs['dtype']} cache", 10
     return f"run {label}", 5
 
 
@@ -173,7 +170,7 @@ def run(args):
     small = [p[:2] for p in prompts[:2]]
     compiled = 0
     for label, kwargs, _ in runs:
-        what, seconds = _first_compile(label, kwargs)
+        what, seconds = _first_compile(label)
         with compile_notice(what, seconds) as watch:
             decoder.generate(small, 2, **kwargs)
         compiled += watch.compiled

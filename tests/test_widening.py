@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import numkv
-from numkv import _attention, _threads
+from numkv import _attention
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
 
@@ -75,10 +75,12 @@ def test_the_arithmetic_decode_matches_the_tables(name):
 @pytest.mark.parametrize("length", [16, 3], ids=["vectors", "tail"])
 def test_decode_loops_widen_every_pattern_exactly(name, length):
     """Decode reads these caches in place, widening each element as it is
-    used: ``_element`` (the value update) and ``_dots`` (the scores; in
-    vector lanes over whole vectors, then element by element).  Key ``j``
-    holds pattern ``j`` first and zeros after; the query is ``(1, 0, ...)``,
-    so each score is the pattern's value (plus zeros: -0.0 becomes 0.0)."""
+    used: ``_axpy`` (the value update) and ``_dots`` (the scores), both in
+    vector lanes over whole vectors, then element by element.  The value
+    update adds each pattern once, with weight 1, to zeros; for the scores
+    key ``j`` holds pattern ``j`` first and zeros after, and the query is
+    ``(1, 0, ...)``: either way each result is the pattern's value (plus
+    zeros: -0.0 becomes 0.0)."""
     from numba import njit
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))
@@ -86,11 +88,12 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
 
     @njit
-    def widen_all(patterns, keys, q, code, elements, scores):
+    def widen_all(patterns, keys, q, code, values, scores):
         width = np.uint64(q.size)
-        for j in range(patterns.size):
-            elements[j] = kernels._element(patterns, np.uint64(j), code)
-        for j in range(0, patterns.size, 4):
+        for j in range(0, values.size, q.size):
+            at = np.uint64(j)
+            kernels._axpy(values, (at,), (np.float32(1.0),), patterns, (at,), q.size, code)
+        for j in range(0, scores.size, 4):
             k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
                     np.uint64(j + 3) * width)
             sums = kernels._dots(q, (np.uint64(0),), keys, k_at, q.size, code)
@@ -101,11 +104,14 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     keys[:, 0] = patterns
     q = np.zeros(length, np.float32)
     q[0] = 1.0
-    elements, scores = (np.full(patterns.size, -1.0, np.float32) for _ in range(2))
-    widen_all(patterns, keys.reshape(-1), q, code, elements, scores)
-    want = decode_table(dtype)
-    assert_same_floats(elements, want)
-    assert_same_floats(scores, want + np.float32(0.0))
+    whole = patterns.size - patterns.size % length  # values: in rows of ``length``
+    values = np.zeros(whole, np.float32)
+    scores = np.full(patterns.size, -1.0, np.float32)
+    widen_all(patterns[:whole].view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores)
+    with np.errstate(invalid="ignore"):  # signalling NaNs
+        want = decode_table(dtype) + np.float32(0.0)
+    assert_same_floats(values, want[:whole])
+    assert_same_floats(scores, want)
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -126,38 +132,19 @@ def test_decode_on_a_narrow_cache_equals_its_float32_copy(name, rng):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("k_name, v_name, marker", [
-    ("float32", "float32", np.uint8), ("float16", "float16", np.uint16), ("bfloat16", "bfloat16", np.uint16),
-    ("float8_e4m3fn", "float8_e4m3fn", np.int8), ("float8_e5m2", "float8_e5m2", np.int8),
-    ("float8_e5m2fnuz", "float8_e5m2fnuz", np.uint8), ("bfloat16", "float8_e4m3fn", np.int16),
-])
-def test_a_kernel_holds_the_narrow_loops_its_cache_needs(k_name, v_name, marker, rng, monkeypatch):
-    """The wrapper hands the kernel the narrow loops (the dtype of
-    ``narrow_loops``, ``kernels.LOOPS``) of exactly the K/V dtypes it reads,
-    so a float32 cache's kernel compiles none and a bfloat16 one no 8-bit
-    loops; a kernel without the loops a cache needs widens it into float32
-    tiles instead, with the same bits."""
-    k_dtype, v_dtype = (np.dtype(getattr(ml_dtypes, n, n)) for n in (k_name, v_name))
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_a_narrow_cache_read_in_place_equals_its_tiles(name, rng):
+    """Decode reads unit-stride narrow rows in place; rows whose elements lie
+    apart are widened into float32 tiles first.  The bits must not differ."""
+    dtype = np.dtype(getattr(ml_dtypes, name, name))
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 300, 64)).astype(k_dtype)
-    v = rng.standard_normal((1, 2, 300, 64)).astype(v_dtype)
-    seen, run = [], _threads.run
-
-    def spy(kernel, n_items, args, *rest):
-        if kernel.__name__ == "attention_items":
-            seen.append(args[-1].dtype)
-        return run(kernel, n_items, args, *rest)
-
-    monkeypatch.setattr(_threads, "run", spy)
-    y = numkv.attention(q, k, v)
-    assert seen == [marker]
-    numkv.attention(q.astype(np.float64), k, v)  # float64 accumulation never takes the narrow loops
-    assert seen[-1] == np.uint8
-    for other in (np.uint8, np.uint16, np.int8):  # kernels that lack some of the loops needed
-        if other != marker:
-            monkeypatch.setattr(_attention, "_narrow_loops", lambda wide16, wide8: np.zeros(0, other))
-            np.testing.assert_array_equal(numkv.attention(q, k, v), y)
-            assert seen[-1] == other
+    k, v = (rng.standard_normal((1, 2, 300, 64)).astype(dtype) for _ in range(2))
+    mask = np.ones((1, 1, 1, 300), bool)
+    mask[..., 100:140] = False
+    k_apart, v_apart = (np.repeat(x, 2, axis=-1)[..., ::2] for x in (k, v))  # d stride 2
+    for kwargs in ({}, {"attn_mask": mask}):
+        np.testing.assert_array_equal(numkv.attention(q, k_apart, v_apart, **kwargs),
+                                      numkv.attention(q, k, v, **kwargs))
 
 
 # -- and back: a float16 Y -----------------------------------------------------------

@@ -8,18 +8,17 @@ Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype (but the narrow decode loops below, 16- and 8-bit, are
-compiled only into the kernels called for such a cache, ``_reads_narrow``).  Elements are widened
-into tiles of the accumulation dtype (float32, or float64 for float64 Q /
+every input dtype (one per accumulation dtype).  Elements are widened into
+tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
-(``_widen_rows``); K/V rows already in the
-accumulation dtype, unit stride, are read in place, and so are bfloat16,
-float16, float8_e4m3fn and float8_e5m2 rows in decode, widened element by
-element as the loops use them (``_element``, ``_dots``: a half or a quarter
-of the bytes read, no tile copy; ``_narrow_tile``).  Keys ``j < P`` come from
-the past buffers, the rest from the new K/V (no concatenation).  ``mask``
-(additive) and ``y`` are flat accumulation-dtype buffers with rows of
-``desc`` too.
+(``_widen_rows``); K/V rows already in the accumulation dtype, unit stride,
+are read in place, and so are bfloat16, float16, float8_e4m3fn and
+float8_e5m2 rows in decode (``_kv_tile``), widened element by element as the
+loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
+no tile copy; the loop for each dtype is chosen at run time,
+``_per_format``).  Keys ``j < P`` come from the past buffers, the rest from
+the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
+accumulation-dtype buffers with rows of ``desc`` too.
 
 Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
 item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
@@ -72,7 +71,6 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
-from numba.np import numpy_support
 from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
@@ -107,12 +105,9 @@ Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 (F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
-# K/V dtypes that float32 decode reads with the narrow loops (``_reads_narrow``),
-# 16- and 8-bit.  The kernel's ``narrow_loops`` operand, an empty array, says by
-# its dtype which of those loops it holds (numba compiles only those):
-# ``LOOPS[(16-bit, 8-bit)]``.
-NARROW_16, NARROW_8 = (F16, BF16), (E4M3FN, E5M2)
-LOOPS = {(False, False): np.uint8, (True, False): np.uint16, (False, True): np.int8, (True, True): np.int16}
+# K/V dtypes that float32 decode reads in place, widening each element as the
+# loops use it (``_per_format``); other dtypes are widened into tiles.
+NARROW = (F16, BF16, E4M3FN, E5M2)
 
 # -- widening: bits -> float ----------------------------------------------------
 
@@ -168,13 +163,20 @@ def _prefetch(typingctx, flat, index):
 
 
 @jit(inline=True)
-def _prefetch_ahead(flat, start, count):
-    """``_prefetch`` the ``count`` elements from ``flat[start]``, a float32
-    cache line (16 elements) at a time: the key rows ``PREFETCH_KEYS`` on
-    (a narrow cache's lines get several: one a 64-byte line measured slower,
-    float8_e4m3fn decode Skv=16384 3.4-3.6 ms against 3.2)."""
+def _prefetch_ahead(flat, start, count, size):
+    """``_prefetch`` the ``count`` elements of ``size`` bytes from element
+    ``start`` of the raw bytes ``flat``, 16 elements (a float32 cache line)
+    at a time: the key rows ``PREFETCH_KEYS`` on (a narrow cache's lines get
+    several: one a 64-byte line measured slower, float8_e4m3fn decode
+    Skv=16384 3.4-3.6 ms against 3.2)."""
     for line in range(0, count, 16):
-        _prefetch(flat, start + np.uint64(line))
+        _prefetch(flat, (start + np.uint64(line)) * np.uint64(size))
+
+
+@jit(inline=True)
+def _itemsize(code):
+    """Bytes an element of dtype ``code`` holds."""
+    return 4 if code == F32 else 8 if code == F64 else 2 if code <= BF16 else 1
 
 
 # The narrow float formats as ``FORMAT_FIELDS``: a value's magnitude bits
@@ -326,7 +328,7 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
     kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
     step = np.uint64(stride)
     if stride == 1:  # the rows PREFETCH_KEYS on, a cache line at a time
-        row_bytes = width * (4 if code == F32 else 8 if code == F64 else 2 if code <= BF16 else 1)
+        row_bytes = width * _itemsize(code)
         for t in range(n):
             ahead = (base + (t + PREFETCH_KEYS) * seq_stride) * (row_bytes // width)
             for line in range(0, row_bytes, 64):
@@ -380,64 +382,24 @@ def _tile_origin(j0, b, hk, desc, t):
 
 
 @jit(inline=True)
-def _kv_tile(scratch, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code):
-    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(flat,
-    at, ld, in_place)``: key ``j``'s row is ``flat[at + j * ld:][:width]``.
-    The buffer itself where it holds unit-stride rows of the accumulation
-    dtype (no copy), else ``scratch`` filled by widening."""
+def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code, narrow):
+    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(bytes,
+    at, ld, code, in_place)``: key ``j``'s row is the ``width`` elements of
+    dtype ``code`` from element ``at + j * ld`` of ``bytes``.  The buffer
+    itself where it holds unit-stride rows of the accumulation dtype, or
+    (``narrow``: the loops read it) of a ``NARROW`` dtype; else ``scratch``,
+    whose accumulation-dtype view ``tile`` is filled by widening."""
     base, seq_stride = _tile_origin(j0, b, hk, desc, t)
     code = desc[t, DTYPE]
-    if code == acc_code and desc[t, STRIDE_D] == 1 and (seq_stride >= width or n == 1):
-        return _as_acc(buf, scratch), base, max(seq_stride, width), True
+    if desc[t, STRIDE_D] == 1:
+        if code == acc_code and (seq_stride >= width or n == 1):
+            return buf, base, max(seq_stride, width), code, True
+        if narrow and (code == BF16 or code == F16 or code == E4M3FN or code == E5M2):
+            return buf, base, seq_stride, code, True
     first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
-    _widen_rows(scratch[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
+    _widen_rows(tile[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
                 seq_stride, desc[t, STRIDE_D], table, formats)
-    return scratch, first_row, width, False
-
-
-def _narrow_tile(j0, b, hk, buf, desc, t, narrow_loops):
-    """Keys ``j0 ..`` of kv head ``hk`` from tensor ``t`` (one that
-    ``_reads_narrow``) as ``(bytes, at, ld)`` for ``_scores_narrow`` and
-    ``_accumulate_narrow``, which read them in place: key ``j``'s row starts
-    at element ``at + j * ld`` (elements of the tensor's own dtype)."""
-
-
-def _narrow_widths(narrow_loops):
-    """``(16-bit, 8-bit)``: which narrow loops a kernel holds (``LOOPS``)."""
-    return {numpy_support.from_dtype(np.dtype(dtype)): widths for widths, dtype in LOOPS.items()}[narrow_loops.dtype]
-
-
-@overload(_narrow_tile)
-def _narrow_tile_impl(j0, b, hk, buf, desc, t, narrow_loops):
-    if _narrow_widths(narrow_loops) == (False, False):  # never called: see _reads_narrow
-        return lambda j0, b, hk, buf, desc, t, narrow_loops: (buf, j0, j0)
-
-    def tile_of(j0, b, hk, buf, desc, t, narrow_loops):
-        at, ld = _tile_origin(j0, b, hk, desc, t)
-        return buf, at, ld
-    return tile_of
-
-
-def _element(flat, i, code):
-    """``flat[i]`` as a float: a float32/float64 buffer's element as it is;
-    a uint16 buffer holds bfloat16 or float16 bits, a uint8 one
-    float8_e4m3fn or float8_e5m2 bits (``code``), widened as they are read
-    (decode reads a narrow cache so, with no tile copy)."""
-
-
-@overload(_element)
-def _element_impl(flat, i, code):
-    if flat.dtype == types.uint16:
-        def widen(flat, i, code):
-            h = flat[i]
-            return _float32_from_bits(np.uint32(h) << 16) if code == BF16 else _half_to_float32(h)
-        return widen
-    if flat.dtype == types.uint8:
-        def widen8(flat, i, code):
-            x = flat[i]
-            return _e5m2_to_float32(x) if code == E5M2 else _e4m3fn_to_float32(x)
-        return widen8
-    return lambda flat, i, code: flat[i]
+    return scratch, first_row, width, acc_code, False
 
 
 @jit(inline=True)
@@ -477,10 +439,10 @@ VECTOR_BYTES = 64
 @intrinsic
 def _dots(typingctx, q, q_at, k, k_at, length, code):
     """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
-    ``k[k_at[j]:][:length]`` of the flat arrays ``q`` and ``k`` (``R`` = 1,
-    2 or 4 offsets in ``q_at``, four in ``k_at``), row-major: ``sums[4 * r +
-    j]``.  ``k`` holds ``q``'s dtype, or bfloat16 / float16 bits (uint16),
-    or float8_e4m3fn / float8_e5m2 bits (uint8), which of them by ``code``.
+    ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
+    ``k_at``), row-major: ``sums[4 * r + j]``.  ``q`` is a flat float array,
+    ``k`` raw bytes holding elements of dtype ``code`` (``_per_format``), and
+    ``k_at`` counts those elements.
 
     Written as LLVM IR so that the eight sums of a vector loop are reduced
     together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
@@ -490,39 +452,121 @@ def _dots(typingctx, q, q_at, k, k_at, length, code):
     time over the rest: a dot product's bits depend on ``D`` only, not on
     which pass or neighbours it had."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
-            and k_at.count == 4 and q_at.count in (1, 2, 4)):
+            and k_at.count == 4 and q_at.count in (1, 2, 4) and k.dtype == types.uint8):
         return None
     sig = types.UniTuple(q.dtype, 4 * q_at.count)(q, q_at, k, k_at, length, code)
     return sig, _emit_dots
 
 
 def _emit_dots(context, builder, sig, args):
-    q_ty, _, k_ty, _, length_ty, code_ty = sig.args
+    q_ty, _, k_ty, _, length_ty, _ = sig.args
     q_arr = context.make_array(q_ty)(context, builder, args[0])
     k_arr = context.make_array(k_ty)(context, builder, args[2])
     length = context.cast(builder, args[4], length_ty, types.int64)
     q_rows = [builder.gep(q_arr.data, [builder.extract_value(args[1], r)]) for r in range(sig.args[1].count)]
-    k_rows = [builder.gep(k_arr.data, [builder.extract_value(args[3], j)]) for j in range(4)]
     real = context.get_value_type(q_ty.dtype)
-    if k_ty.dtype == q_ty.dtype:
-        return _pack(context, builder, sig, _dot_sums(builder, q_rows, k_rows, length, real, None, False))
-    # Narrow keys, in two formats per width (a branch outside the loops):
-    # uint16 float16 or bfloat16, uint8 float8_e5m2 or float8_e4m3fn.
-    first, other = ("f16", "bf16") if k_ty.dtype == types.uint16 else ("e5m2", "e4m3fn")
-    f16c = has_f16c()
-    is_first = builder.icmp_signed("==", args[5], ir.Constant(args[5].type, F16 if first == "f16" else E5M2))
-    with builder.if_else(is_first) as (then, otherwise):
-        with then:
-            sums_first, from_first = _dot_sums(builder, q_rows, k_rows, length, real, first, f16c), builder.block
-        with otherwise:
-            sums_other, from_other = _dot_sums(builder, q_rows, k_rows, length, real, other, f16c), builder.block
+
+    def sums(elem, narrow):
+        keys = builder.bitcast(k_arr.data, elem.as_pointer())
+        k_rows = [builder.gep(keys, [builder.extract_value(args[3], j)]) for j in range(4)]
+        return _dot_sums(builder, q_rows, k_rows, length, real, narrow)
+
+    return _pack(context, builder, sig, _per_format(builder, args[5], real, sums))
+
+
+@intrinsic
+def _axpy(typingctx, acc, acc_at, weights, v, v_at, length, code):
+    """``acc[acc_at[r] + d] += weights[K * r + k] * v_k[d]`` for ``d <
+    length``, the ``K`` keys (1 or 4) added one after another to each
+    element (a chain of FMAs, in key order); ``v_k`` is the row at element
+    ``v_at[k]`` of the raw bytes ``v``, of dtype ``code`` (``_per_format``).
+    ``R`` rows (1 or 4) a pass: each loaded V vector feeds them all.
+
+    LLVM IR, in vector lanes over ``D``'s whole vectors, then element by
+    element (each element takes the same chain either way).  One compiled
+    loop per format, chosen at run time, in every kernel: a narrow cache
+    costs no compilation of its own."""
+    if not (isinstance(acc_at, types.UniTuple) and isinstance(v_at, types.UniTuple)
+            and isinstance(weights, types.UniTuple) and acc_at.count in (1, 4) and v_at.count in (1, 4)
+            and weights.count == acc_at.count * v_at.count and v.dtype == types.uint8):
+        return None
+    return types.void(acc, acc_at, weights, v, v_at, length, code), _emit_axpy
+
+
+def _emit_axpy(context, builder, sig, args):
+    acc_ty, acc_at_ty, _, v_ty, v_at_ty, length_ty, _ = sig.args
+    acc_arr = context.make_array(acc_ty)(context, builder, args[0])
+    v_arr = context.make_array(v_ty)(context, builder, args[3])
+    length = context.cast(builder, args[5], length_ty, types.int64)
+    real = context.get_value_type(acc_ty.dtype)
+    acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(acc_at_ty.count)]
+    weights = [builder.extract_value(args[2], i) for i in range(acc_at_ty.count * v_at_ty.count)]
+    lanes = VECTOR_BYTES // _BYTES[str(real)]
+    i32 = ir.IntType(32)
+    vec = ir.VectorType(real, lanes)
+    splats = []
+    for w in weights:  # each weight in every lane
+        one = builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0))
+        splats.append(builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
+
+    def loops(elem, narrow):
+        values = builder.bitcast(v_arr.data, elem.as_pointer())
+        v_rows = [builder.gep(values, [builder.extract_value(args[4], k)]) for k in range(v_at_ty.count)]
+
+        def step(width, factors):
+            ty = ir.VectorType(real, width) if width > 1 else real
+            fma = _fmuladd(builder, ty)
+
+            def body(at, _):
+                vs = [_load(builder, row, at, width, narrow) for row in v_rows]
+                for r, row in enumerate(acc_rows):
+                    ptr = builder.bitcast(builder.gep(row, [at]), ty.as_pointer())
+                    a = builder.load(ptr, align=_BYTES[str(real)])
+                    for k, value in enumerate(vs):
+                        a = builder.call(fma, [factors[r * len(vs) + k], value, a])
+                    builder.store(a, ptr, align=_BYTES[str(real)])
+                return []
+            return body
+
+        i64 = ir.IntType(64)
+        whole = _whole_vectors(builder, length, lanes, narrow)
+        if not isinstance(whole, ir.Constant):
+            _emit_loop(builder, ir.Constant(i64, 0), whole, lanes, [], step(lanes, splats))
+        _emit_loop(builder, whole, length, 1, [], step(1, weights))
+        return []
+
+    _per_format(builder, args[6], real, loops)
+    return context.get_dummy_value()
+
+
+def _per_format(builder, code, real, emit):
+    """IR: ``emit(element type, narrow format)`` for the K/V dtype ``code``
+    (a run-time value), the results of each merged.  ``real`` float: float32
+    rows, or bfloat16, float16, float8_e4m3fn or float8_e5m2 ones (read as
+    they are: ``_widen_ir``); double: float64 rows only (the kernel hands
+    narrow rows to float64 loops widened, in tiles)."""
+    formats = [(F32, ir.FloatType(), None), (BF16, ir.IntType(16), "bf16"), (F16, ir.IntType(16), "f16"),
+               (E4M3FN, ir.IntType(8), "e4m3fn"), (E5M2, ir.IntType(8), "e5m2")]
+    if real == ir.DoubleType():
+        formats = [(F64, real, None)]
+    after = builder.append_basic_block("format.after")
+    blocks = [builder.append_basic_block(f"format.{narrow or real}") for _, _, narrow in formats]
+    switch = builder.switch(code, blocks[0])  # any other code: the first
+    for (value, _, _), block in zip(formats[1:], blocks[1:]):
+        switch.add_case(ir.Constant(code.type, value), block)
+    results = []
+    for (_, elem, narrow), block in zip(formats, blocks):
+        builder.position_at_end(block)
+        results.append((emit(elem, narrow), builder.block))
+        builder.branch(after)
+    builder.position_at_end(after)
     merged = []
-    for a, b in zip(sums_first, sums_other):
-        phi = builder.phi(real)
-        phi.add_incoming(a, from_first)
-        phi.add_incoming(b, from_other)
+    for i, first in enumerate(results[0][0]):
+        phi = builder.phi(first.type)
+        for values, block in results:
+            phi.add_incoming(values[i], block)
         merged.append(phi)
-    return _pack(context, builder, sig, merged)
+    return merged
 
 
 def _pack(context, builder, sig, values):
@@ -535,33 +579,46 @@ def _pack(context, builder, sig, values):
 _BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
 
 
-def _dot_sums(builder, q_rows, k_rows, length, real, narrow, f16c):
+def _whole_vectors(builder, length, lanes, narrow):
+    """IR: the elements of ``length`` that vector loops take (whole vectors;
+    none for float16-based formats where the CPU lacks F16C: those go one
+    at a time)."""
+    if narrow not in (None, "bf16") and not has_f16c():
+        return ir.Constant(ir.IntType(64), 0)
+    return builder.and_(length, ir.Constant(ir.IntType(64), -lanes))
+
+
+def _load(builder, row, at, width, narrow):
+    """IR: ``width`` elements (a vector, or a scalar for 1) from ``row[at]``,
+    widened from format ``narrow`` (None: as they are)."""
+    elem = row.type.pointee
+    ty = ir.VectorType(elem, width) if width > 1 else elem
+    value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
+    return _widen_ir(builder, value, narrow, has_f16c()) if narrow else value
+
+
+def _fmuladd(builder, ty):
+    """``llvm.fmuladd`` for ``ty`` (a float or double scalar or vector): an FMA."""
+    scalar = ty.element if isinstance(ty, ir.VectorType) else ty
+    name = (f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}"
+            f"{'f32' if scalar == ir.FloatType() else 'f64'}")
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+
+
+def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
     """IR: the sums of ``_dots`` (``narrow``: the keys' format, ``_widen_ir``;
-    None: ``real``).  Without F16C, float16-based keys go one at a time."""
+    None: ``real``)."""
     i64 = ir.IntType(64)
-    lanes = VECTOR_BYTES // (4 if isinstance(real, ir.FloatType) else 8)
+    lanes = VECTOR_BYTES // _BYTES[str(real)]
     vec = ir.VectorType(real, lanes)
-    whole = builder.and_(length, ir.Constant(i64, -lanes))
-    if narrow not in (None, "bf16") and not f16c:
-        whole = ir.Constant(i64, 0)
-
-    def load(row, at, width, is_key):
-        elem = row.type.pointee
-        ty = ir.VectorType(elem, width) if width > 1 else elem
-        value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
-        return _widen_ir(builder, value, narrow, f16c) if is_key and narrow else value
-
-    def fmuladd(ty):
-        name = f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}" \
-               f"{'f32' if real == ir.FloatType() else 'f64'}"
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+    whole = _whole_vectors(builder, length, lanes, narrow)
 
     def step(width, ty):
-        fn = fmuladd(ty)
+        fn = _fmuladd(builder, ty)
 
         def body(at, accs):
-            qs = [load(row, at, width, False) for row in q_rows]
-            ks = [load(row, at, width, True) for row in k_rows]
+            qs = [_load(builder, row, at, width, None) for row in q_rows]
+            ks = [_load(builder, row, at, width, narrow) for row in k_rows]
             return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
         return body
 
@@ -597,7 +654,8 @@ def _emit_loop(builder, start, stop, stride, init, body):
         phi.add_incoming(first, before)
         phi.add_incoming(updated, loop)
     end = builder.block
-    builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
+    backedge = builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
+    backedge.set_metadata("llvm.loop", _as_written(builder.module))
     builder.position_at_end(after)
     out = []
     for first, updated in zip(init, new):
@@ -606,6 +664,16 @@ def _emit_loop(builder, start, stop, stride, init, body):
         phi.add_incoming(updated, end)
         out.append(phi)
     return out
+
+
+def _as_written(module):
+    """Loop metadata: LLVM is to neither vectorise nor unroll the loop (its
+    vector loops are written so; its scalar ones run a few times)."""
+    props = [module.add_metadata([ir.MetaDataString(module, name), ir.Constant(ir.IntType(1), 0)])
+             for name in ("llvm.loop.vectorize.enable",)] + [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])]
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))  # a node of its own
+    loop_id.operands = (loop_id, *props)
+    return loop_id
 
 
 def _reduce_lanes(builder, vectors):
@@ -757,147 +825,66 @@ def _gemm(typingctx, a, b, c, beta, trans_b, fn):
 # -- the two matrix products ----------------------------------------------------------
 
 
+@jit(inline=True)
 def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
     """``s = qt K^T`` by BLAS, split along d so that each product stays within
-    ``gemm_limit`` (nothing for narrow bits: BLAS tiles are always widened)."""
+    ``gemm_limit``."""
+    d_k = qt.shape[1]
+    kt = _rows_view(kf, ko, kld, n, d_k)
+    part = max(1, min(d_k, gemm_limit // (rows * n)))
+    for d0 in range(0, d_k, part):
+        _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True, gemm_fn)
 
 
-@overload(_gemm_scores)
-def _gemm_scores_impl(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
-    if kf.dtype != qt.dtype:
-        return lambda qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn: None
-
-    def products(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
-        d_k = qt.shape[1]
-        kt = _rows_view(kf, ko, kld, n, d_k)
-        part = max(1, min(d_k, gemm_limit // (rows * n)))
-        for d0 in range(0, d_k, part):
-            _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True, gemm_fn)
-    return products
-
-
+@jit(inline=True)
 def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
     """``acc += p V`` by BLAS, split as ``_gemm_scores``."""
-
-
-@overload(_gemm_accumulate)
-def _gemm_accumulate_impl(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
-    if vf.dtype != acc.dtype:
-        return lambda p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn: None
-
-    def products(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
-        d_v = acc.shape[1]
-        vt = _rows_view(vf, vo, vld, n, d_v)
-        part = max(1, min(d_v, gemm_limit // (rows * n)))
-        for d0 in range(0, d_v, part):
-            _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False, gemm_fn)
-    return products
-
-
-def _scores_narrow(qt, buf, ko, kld, s, rows, n, code, narrow_loops):
-    """``_scores`` reading float16, bfloat16, float8_e4m3fn or float8_e5m2
-    keys (``code``) as they are, from the raw bytes ``buf`` of the cache
-    (decode on a narrow cache: no tile copy, the keys ahead prefetched).
-    Compiled only into a kernel with ``narrow_loops`` (see ``_reads_narrow``)
-    whose accumulation is float32 (``qt``): for float64 nothing is compiled
-    (that kernel always widens into tiles)."""
-
-
-@overload(_scores_narrow)
-def _scores_narrow_impl(qt, buf, ko, kld, s, rows, n, code, narrow_loops):
-    wide16, wide8 = _narrow_widths(narrow_loops)
-    if qt.dtype != types.float32:
-        wide16 = wide8 = False
-
-    def scores(qt, buf, ko, kld, s, rows, n, code, narrow_loops):
-        if wide16 and (code == BF16 or code == F16):
-            _scores(qt, buf.view(np.uint16), ko, kld, s, rows, n, False, 0, 0, True, code)
-        elif wide8:
-            _scores(qt, buf, ko, kld, s, rows, n, False, 0, 0, True, code)
-    return scores
-
-
-def _accumulate_narrow(p, buf, vo, vld, acc, alpha, rows, n, code, narrow_loops):
-    """``_accumulate`` reading narrow values as they are (as
-    ``_scores_narrow``; the loop leaves masked keys out by their weights)."""
-
-
-@overload(_accumulate_narrow)
-def _accumulate_narrow_impl(p, buf, vo, vld, acc, alpha, rows, n, code, narrow_loops):
-    wide16, wide8 = _narrow_widths(narrow_loops)
-    if acc.dtype != types.float32:
-        wide16 = wide8 = False
-
-    def accumulate(p, buf, vo, vld, acc, alpha, rows, n, code, narrow_loops):
-        if wide16 and (code == BF16 or code == F16):
-            _accumulate(p, buf.view(np.uint16), vo, vld, acc, alpha, rows, n, False, False, 0, 0, True, code)
-        elif wide8:
-            _accumulate(p, buf, vo, vld, acc, alpha, rows, n, False, False, 0, 0, True, code)
-    return accumulate
-
-
-def _reads_narrow(desc, t, narrow_loops):
-    """Whether tensor ``t`` holds unit-stride rows that decode reads through
-    ``_narrow_tile``: bfloat16 or float16 where the kernel holds the 16-bit
-    loops, float8_e4m3fn or float8_e5m2 where it holds the 8-bit ones.
-
-    The wrapper passes the ``narrow_loops`` marker (``LOOPS``) of the K/V
-    dtypes a call reads, so a float32 cache's kernel has no narrow loops,
-    and a bfloat16 one no 8-bit loops (first call from an empty cache,
-    float32 cache: 10.0-10.3 s, against 13.9-14.3 s with every loop; a
-    bfloat16 cache 16 s, against 25 s).  A row the kernel has no loops for
-    takes ``_kv_tile``: the same results, only slower."""
-
-
-@overload(_reads_narrow)
-def _reads_narrow_impl(desc, t, narrow_loops):
-    wide16, wide8 = _narrow_widths(narrow_loops)
-    codes = (NARROW_16 if wide16 else ()) + (NARROW_8 if wide8 else ())
-    if not codes:
-        return lambda desc, t, narrow_loops: False
-
-    def reads_narrow(desc, t, narrow_loops):
-        return desc[t, DTYPE] in codes and desc[t, STRIDE_D] == 1
-    return reads_narrow
+    d_v = acc.shape[1]
+    vt = _rows_view(vf, vo, vld, n, d_v)
+    part = max(1, min(d_v, gemm_limit // (rows * n)))
+    for d0 in range(0, d_v, part):
+        _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False, gemm_fn)
 
 
 @jit()
-def _scores(qt, kf, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
-    """``s[:rows, :n] = qt K^T`` for the key rows ``kf[ko + j * kld:]``: BLAS
+def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
+    """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
+    of the raw bytes ``kb``, of dtype ``code``: BLAS
     for many rows, else a loop over four keys at a time that scores them
     against four query rows (then two, then one) per pass (``_dots``);
-    ``prefetch``: the keys ahead, where ``kf`` is the cache itself.  A pass
+    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
     past the last key repeats it: every score comes from the same sum, so
     its bits depend neither on the number of rows (GQA equals MHA with K/V
     repeated) nor on the tile's length (a masked key at its end changes
-    nothing).  ``kf`` may hold 16- or 8-bit narrow floats (``code``; float32
-    ``qt`` only)."""
+    nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
+    ``NARROW`` dtype too (float32 ``qt``)."""
     if use_blas:
-        _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn)
+        _gemm_scores(qt, _as_acc(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
         return
     d_k = qt.shape[1]
     qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
     at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
     ahead = np.uint64(PREFETCH_KEYS) * ld
+    size = _itemsize(code)
     last_key = n - 1
     for j in range(0, n, 4):
         keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
         k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
                 at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
         if prefetch:
-            _prefetch_ahead(kf, k_at[0] + ahead, 4 * d_k)
+            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
         r = 0
         while r + 4 <= rows:
             q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
                     np.uint64(r + 3) * width)
-            _put_scores(sf, n, (r, r + 1, r + 2, r + 3), keys, _dots(qf, q_at, kf, k_at, d_k, code))
+            _put_scores(sf, n, (r, r + 1, r + 2, r + 3), keys, _dots(qf, q_at, kb, k_at, d_k, code))
             r += 4
         if r + 2 <= rows:
             q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-            _put_scores(sf, n, (r, r + 1), keys, _dots(qf, q_at, kf, k_at, d_k, code))
+            _put_scores(sf, n, (r, r + 1), keys, _dots(qf, q_at, kb, k_at, d_k, code))
             r += 2
         if r < rows:
-            _put_scores(sf, n, (r,), keys, _dots(qf, (np.uint64(r) * width,), kf, k_at, d_k, code))
+            _put_scores(sf, n, (r,), keys, _dots(qf, (np.uint64(r) * width,), kb, k_at, d_k, code))
 
 
 @jit(inline=True)
@@ -922,43 +909,39 @@ def _all_weighted(p, rows, n):
 
 
 @jit(inline=True)
-def _accumulate_row(p, vf, at, ld, acc, r, j, n, code):
+def _accumulate_row(p, vb, at, ld, accf, d_v, r, j, n, code):
     """Row ``r`` of ``_accumulate``'s loop for keys ``j .. j + 4``: the same
     chain of FMAs as a pass of four rows, leaving out masked keys."""
-    d_v = acc.shape[1]
+    row = (np.uint64(r * d_v),)
     v0 = at + np.uint64(j) * ld
-    v1, v2, v3 = v0 + ld, v0 + ld + ld, v0 + ld + ld + ld
     if j + 4 <= n and p[r, j] != 0 and p[r, j + 1] != 0 and p[r, j + 2] != 0 and p[r, j + 3] != 0:
-        a0, a1, a2, a3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
-        for d in range(d_v):
-            u = np.uint64(d)
-            acc[r, d] = ((((acc[r, d] + a0 * _element(vf, v0 + u, code)) + a1 * _element(vf, v1 + u, code))
-                          + a2 * _element(vf, v2 + u, code)) + a3 * _element(vf, v3 + u, code))
+        _axpy(accf, row, (p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]), vb,
+              (v0, v0 + ld, v0 + ld + ld, v0 + ld + ld + ld), d_v, code)
         return
     for jj in range(j, min(j + 4, n)):
         w = p[r, jj]
         if w != 0 or math.copysign(1.0, w) > 0:  # a masked key's -0.0 is left out
-            vj = at + np.uint64(jj) * ld
-            for d in range(d_v):
-                acc[r, d] += w * _element(vf, vj + np.uint64(d), code)
+            _axpy(accf, row, (w,), vb, (at + np.uint64(jj) * ld,), d_v, code)
 
 
-@jit(contract=True)
-def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
-    """``acc = alpha acc + p V`` per row, for the value rows ``vf[vo + j * vld:]``.
+@jit()
+def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
+    """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
+    + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
+    dtype only; the loops: a ``NARROW`` one too).
     The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
     masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
     cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
     whose weight underflowed to ``+0.0`` counts in both, as in the reference.
 
     The loop adds one key after another to each element (an FMA chain, no
-    reassociation), whichever keys and rows it groups per pass: a row's bits
-    do not depend on its neighbours, nor on which pass took it.  Where no
-    weight of the tile is zero, passes take four rows and four keys: four
-    loads of V and four loads and stores of acc feed sixteen FMAs (G = 4, D =
-    128, when the passes were chosen: 19 ns a key, against 30 for two rows a
-    pass or for a zero test in every pass); other rows go one at a time
-    (``_accumulate_row``)."""
+    reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
+    row's bits do not depend on its neighbours, nor on which pass took it.
+    Where no weight of the tile is zero, passes take four rows and four keys:
+    four loads of V and four loads and stores of acc feed sixteen FMAs (G =
+    4, D = 128, when the passes were chosen: 19 ns a key, against 30 for two
+    rows a pass or for a zero test in every pass); other rows go one at a
+    time (``_accumulate_row``)."""
     d_v = acc.shape[1]
     for r in range(rows):
         a = alpha[r]
@@ -966,44 +949,37 @@ def _accumulate(p, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
             for d in range(d_v):
                 acc[r, d] *= a
     if use_blas and not skip_masked:
-        _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn)
+        _gemm_accumulate(p, _as_acc(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
         return
-    at, ld = np.uint64(vo), np.uint64(vld)
+    accf = acc.reshape(rows * d_v)
+    at, ld, size = np.uint64(vo), np.uint64(vld), _itemsize(code)
     ahead = np.uint64(PREFETCH_KEYS) * ld
     rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
     n4 = n - n % 4
-    # Blocks of four rows outer, keys inner: inside a block the rows are fixed,
-    # so LLVM checks once per block, not once per pass, that acc and V do not
-    # overlap (in cache, 4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6 ns a key,
-    # against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384, Hq=32: Hkv=8
-    # float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against 7.0-7.1).
-    # The first block reads V from memory, later ones from L2.
+    # Blocks of four rows outer, keys inner: the first block reads V from
+    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
+    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
+    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
+    # 7.0-7.1).
     for r in range(0, rows4, 4):
+        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
         for j in range(0, n4, 4):
             v0 = at + np.uint64(j) * ld
-            v1, v2, v3 = v0 + ld, v0 + ld + ld, v0 + ld + ld + ld
             if prefetch and r == 0:
-                _prefetch_ahead(vf, v0 + ahead, 4 * d_v)
-            a0, a1, a2, a3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
-            b0, b1, b2, b3 = p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3]
-            c0, c1, c2, c3 = p[r + 2, j], p[r + 2, j + 1], p[r + 2, j + 2], p[r + 2, j + 3]
-            e0, e1, e2, e3 = p[r + 3, j], p[r + 3, j + 1], p[r + 3, j + 2], p[r + 3, j + 3]
-            for d in range(d_v):
-                u = np.uint64(d)
-                w0, w1 = _element(vf, v0 + u, code), _element(vf, v1 + u, code)
-                w2, w3 = _element(vf, v2 + u, code), _element(vf, v3 + u, code)
-                acc[r, d] = (((acc[r, d] + a0 * w0) + a1 * w1) + a2 * w2) + a3 * w3
-                acc[r + 1, d] = (((acc[r + 1, d] + b0 * w0) + b1 * w1) + b2 * w2) + b3 * w3
-                acc[r + 2, d] = (((acc[r + 2, d] + c0 * w0) + c1 * w1) + c2 * w2) + c3 * w3
-                acc[r + 3, d] = (((acc[r + 3, d] + e0 * w0) + e1 * w1) + e2 * w2) + e3 * w3
+                _prefetch_ahead(vb, v0 + ahead, 4 * d_v, size)
+            weights = (p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3],
+                       p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3],
+                       p[r + 2, j], p[r + 2, j + 1], p[r + 2, j + 2], p[r + 2, j + 3],
+                       p[r + 3, j], p[r + 3, j + 1], p[r + 3, j + 2], p[r + 3, j + 3])
+            _axpy(accf, block, weights, vb, (v0, v0 + ld, v0 + ld + ld, v0 + ld + ld + ld), d_v, code)
         if n4 < n:  # the last keys, in the same order
             for rr in range(r, r + 4):
-                _accumulate_row(p, vf, at, ld, acc, rr, n4, n, code)
+                _accumulate_row(p, vb, at, ld, accf, d_v, rr, n4, n, code)
     for r in range(rows4, rows):  # other rows (or tiles with a masked key) one at a time
         for j in range(0, n, 4):
             if prefetch and r == 0:
-                _prefetch_ahead(vf, at + np.uint64(j) * ld + ahead, 4 * d_v)
-            _accumulate_row(p, vf, at, ld, acc, r, j, n, code)
+                _prefetch_ahead(vb, at + np.uint64(j) * ld + ahead, 4 * d_v, size)
+            _accumulate_row(p, vb, at, ld, accf, d_v, r, j, n, code)
 
 
 @jit()
@@ -1148,7 +1124,7 @@ def _row_bounds(i, off, valid, causal, left, right):
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, part_m, part_l, part_acc, counter, narrow_loops):
+                    table, formats, part_m, part_l, part_acc, counter):
     """Work items ``first .. stop``, in order; or, where ``counter`` has an
     element, claimed one at a time (``first + counter[0]``, atomically) by
     every thread running this call over the same range, so that a thread
@@ -1156,9 +1132,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     slow takes fewer.  An item ``(b, kv_head, unit, chunk)``
     covers all ``G`` heads of the kv head for a pair of query tiles over every
     key, or for one query tile over one chunk of keys (its partial softmax then
-    goes to ``part_*``, for ``attention_merge``).  ``narrow_loops``: an empty
-    array whose dtype says which narrow decode loops, 16- and/or 8-bit, are
-    compiled in (``LOOPS``, ``_reads_narrow``).  (One function, not a loop
+    goes to ``part_*``, for ``attention_merge``).  (One function, not a loop
     calling an item function: each level of calls re-optimises all the code
     below it, and this one cost ~4 s of compile time.)"""
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
@@ -1170,8 +1144,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     dt = y.dtype
     # Scratch for one item at a time, allocated once per call of this function.
     rows_max = group * bq
-    qbuf, kbuf, vbuf = np.empty(rows_max * d_k, dt), np.empty(bk * d_k, dt), np.empty(bk * d_v, dt)
-    sbuf = np.empty(rows_max * bk, dt)
+    qbuf, sbuf = np.empty(rows_max * d_k, dt), np.empty(rows_max * bk, dt)
+    # K and V tiles: raw bytes as the loops read them, and their float views.
+    kbuf, vbuf = np.empty(bk * d_k * y.itemsize, np.uint8), np.empty(bk * d_v * y.itemsize, np.uint8)
+    ktile, vtile = _as_acc(kbuf, y), _as_acc(vbuf, y)
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.bool_)
@@ -1221,7 +1197,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
                                  + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
                 use_blas = rows >= ints[BLAS_ROWS]
-                # Decode reads narrow K and V with the narrow loops (``_narrow_tile``).
+                # Decode's loops read narrow K and V rows in place (``_kv_tile``).
                 narrow = not use_blas and acc_code == F32
                 # Two segments: past keys, then new keys (a tile never straddles them).
                 for seg in range(2):
@@ -1230,30 +1206,22 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
                         s = sbuf[:rows * n].reshape((rows, n))
-                        if narrow and _reads_narrow(desc, tk, narrow_loops):
-                            k_narrow, ko, kld = _narrow_tile(j0 - shift, b, hk, kb, desc, tk, narrow_loops)
-                            _scores_narrow(qt, k_narrow, ko, kld, s, rows, n, desc[tk, DTYPE], narrow_loops)
-                        else:
-                            kf, ko, kld, k_in_place = _kv_tile(kbuf, j0 - shift, n, d_k, b, hk, kb, desc, tk,
-                                                               table, formats, acc_code)
-                            _scores(qt, kf, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], ints[GEMM_FN], k_in_place,
-                                    acc_code)
+                        kr, ko, kld, kcode, k_in_place = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
+                                                                  desc, tk, table, formats, acc_code, narrow)
+                        _scores(qt, kr, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], ints[GEMM_FN], k_in_place,
+                                kcode)
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                         _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
-                        if narrow and _reads_narrow(desc, tv, narrow_loops):
-                            v_narrow, vo, vld = _narrow_tile(j0 - shift, b, hk, vb, desc, tv, narrow_loops)
-                            _accumulate_narrow(s, v_narrow, vo, vld, acc, alpha, rows, n, desc[tv, DTYPE],
-                                               narrow_loops)
-                        else:
-                            vf, vo, vld, v_in_place = _kv_tile(vbuf, j0 - shift, n, d_v, b, hk, vb, desc, tv,
-                                                               table, formats, acc_code)
-                            skip_masked = edge and not _all_finite(vf, vo, vld, n, d_v)
-                            _accumulate(s, vf, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                        ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place, acc_code)
+                        vr, vo, vld, vcode, v_in_place = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
+                                                                  desc, tv, table, formats, acc_code, narrow)
+                        # Only BLAS' product needs masked keys' V finite (``_accumulate``).
+                        skip_masked = use_blas and edge and not _all_finite(_as_acc(vr, y), vo, vld, n, d_v)
+                        _accumulate(s, vr, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
+                                    ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place, vcode)
 
             if split:
                 for r in range(rows):
