@@ -1,11 +1,12 @@
 """Say so before numba compiles one of numkv's kernels.
 
 A kernel's first call in a fresh process either loads it from numba's disk
-cache (0.03-0.8 s) or, when the cache is cold, compiles it (10-20 s per
-attention dtype family on 2 cores): a long silence unless someone says what
-is happening.  ``compile_notice`` listens for numba's ``"numba:compile"``
-event, which numba fires only when it really compiles (after a disk-cache
-miss, never on a load), and prints its line *before* the compiler starts::
+cache (0.03-0.8 s) or, when the cache is cold, compiles it (10-20 s for
+attention's kernel of each accumulation dtype on 2 cores): a long silence
+unless someone says what is happening.  ``compile_notice`` listens for
+numba's ``"numba:compile"`` event, which numba fires only when it really
+compiles (after a disk-cache miss, never on a load), and prints its line
+*before* the compiler starts::
 
     with compile_notice("float32 attention", seconds=15):
         numkv.attention(q, k, v)
