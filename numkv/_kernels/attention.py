@@ -105,9 +105,6 @@ Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 (F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
-# K/V dtypes that float32 decode reads in place, widening each element as the
-# loops use it (``_per_format``); other dtypes are widened into tiles.
-NARROW = (F16, BF16, E4M3FN, E5M2)
 
 # -- widening: bits -> float ----------------------------------------------------
 
@@ -387,8 +384,9 @@ def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, a
     at, ld, code, in_place)``: key ``j``'s row is the ``width`` elements of
     dtype ``code`` from element ``at + j * ld`` of ``bytes``.  The buffer
     itself where it holds unit-stride rows of the accumulation dtype, or
-    (``narrow``: the loops read it) of a ``NARROW`` dtype; else ``scratch``,
-    whose accumulation-dtype view ``tile`` is filled by widening."""
+    (``narrow``: the loops read it) of bfloat16, float16, float8_e4m3fn or
+    float8_e5m2 (``_per_format``); else ``scratch``, whose
+    accumulation-dtype view ``tile`` is filled by widening."""
     base, seq_stride = _tile_origin(j0, b, hk, desc, t)
     code = desc[t, DTYPE]
     if desc[t, STRIDE_D] == 1:
@@ -878,7 +876,7 @@ def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
     its bits depend neither on the number of rows (GQA equals MHA with K/V
     repeated) nor on the tile's length (a masked key at its end changes
     nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
-    ``NARROW`` dtype too (float32 ``qt``)."""
+    narrow one too (``_per_format``; float32 ``qt``)."""
     if use_blas:
         _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
         return
@@ -949,7 +947,7 @@ def _accumulate_row(p, vb, at, ld, accf, d_v, r, j, n, code):
 def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
     """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
     + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
-    dtype only; the loops: a ``NARROW`` one too).
+    dtype only; the loops: a narrow one too, ``_per_format``).
     The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
     masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
     cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
