@@ -105,6 +105,11 @@ Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 (F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
+# The narrow K/V dtypes float32 decode's loops read in place, widening each
+# element as they use it (``_kv_tile``, ``_per_format``): code -> (format of
+# ``_widen_ir``, bits an element).
+IN_PLACE = {BF16: ("bf16", 16), F16: ("f16", 16), E4M3FN: ("e4m3fn", 8), E5M2: ("e5m2", 8)}
+IN_PLACE_CODES = tuple(IN_PLACE)
 
 # -- widening: bits -> float ----------------------------------------------------
 
@@ -384,15 +389,15 @@ def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, a
     at, ld, code, in_place)``: key ``j``'s row is the ``width`` elements of
     dtype ``code`` from element ``at + j * ld`` of ``bytes``.  The buffer
     itself where it holds unit-stride rows of the accumulation dtype, or
-    (``narrow``: the loops read it) of bfloat16, float16, float8_e4m3fn or
-    float8_e5m2 (``_per_format``); else ``scratch``, whose
-    accumulation-dtype view ``tile`` is filled by widening."""
+    (``narrow``: the loops read it) of an ``IN_PLACE`` dtype; else
+    ``scratch``, whose accumulation-dtype view ``tile`` is filled by
+    widening."""
     base, seq_stride = _tile_origin(j0, b, hk, desc, t)
     code = desc[t, DTYPE]
     if desc[t, STRIDE_D] == 1:
         if code == acc_code and (seq_stride >= width or n == 1):
             return buf, base, max(seq_stride, width), code, True
-        if narrow and (code == BF16 or code == F16 or code == E4M3FN or code == E5M2):
+        if narrow and code in IN_PLACE_CODES:
             return buf, base, seq_stride, code, True
     first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
     _widen_rows(tile[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
@@ -561,11 +566,11 @@ def _emit_axpy(context, builder, sig, args):
 def _per_format(builder, code, real, emit):
     """IR: ``emit(element type, narrow format)`` for the K/V dtype ``code``
     (a run-time value), the results of each merged.  ``real`` float: float32
-    rows, or bfloat16, float16, float8_e4m3fn or float8_e5m2 ones (read as
-    they are: ``_widen_ir``); double: float64 rows only (the kernel hands
-    narrow rows to float64 loops widened, in tiles)."""
-    formats = [(F32, ir.FloatType(), None), (BF16, ir.IntType(16), "bf16"), (F16, ir.IntType(16), "f16"),
-               (E4M3FN, ir.IntType(8), "e4m3fn"), (E5M2, ir.IntType(8), "e5m2")]
+    rows, or ``IN_PLACE`` ones (read as they are: ``_widen_ir``); double:
+    float64 rows only (the kernel hands narrow rows to float64 loops
+    widened, in tiles)."""
+    formats = [(F32, ir.FloatType(), None)]
+    formats += [(code, ir.IntType(bits), narrow) for code, (narrow, bits) in IN_PLACE.items()]
     if real == ir.DoubleType():
         formats = [(F64, real, None)]
     after = builder.append_basic_block("format.after")
@@ -659,8 +664,8 @@ def _emit_loop(builder, start, stop, stride, init, body):
     returns the values after it (``init`` if it never runs)."""
     i64 = ir.IntType(64)
     before = builder.block
-    loop = builder.append_basic_block("dots.loop")
-    after = builder.append_basic_block("dots.after")
+    loop = builder.append_basic_block("loop")
+    after = builder.append_basic_block("loop.after")
     builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
     builder.position_at_end(loop)
     at = builder.phi(i64)
