@@ -17,13 +17,24 @@ CHUNK = 1 << 16  # elements a work item
 
 
 @functools.cache
-def has_f16c():
-    """Whether numba compiles for a CPU with F16C (the only target
-    ``to_float16`` is for: elsewhere LLVM would call a runtime helper)."""
+def _target_features():
     from numba.core.registry import cpu_target
 
     features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
-    return "+f16c" in features.split(",")
+    return frozenset(features.split(","))
+
+
+def has_f16c():
+    """Whether numba compiles for a CPU with F16C (the only target
+    ``to_float16`` is for: elsewhere LLVM would call a runtime helper)."""
+    return "+f16c" in _target_features()
+
+
+def has_vbmi():
+    """Whether numba compiles for a CPU with AVX-512 VBMI: byte permutes
+    across a whole register (``vpermi2b``), a 128-entry byte table a
+    lookup (Ice Lake, Sapphire Rapids, Zen 4 on)."""
+    return {"+avx512f", "+avx512bw", "+avx512vbmi", "+f16c"} <= _target_features()
 
 
 @intrinsic
