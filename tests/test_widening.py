@@ -77,11 +77,14 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     """Decode reads these caches in place, widening each element as it is
     used: ``_axpy`` (the value update) and ``_dots`` (the scores), both in
     vector lanes over whole vectors (float8_e4m3fn in blocks of 64 before,
-    where the CPU has byte permutes), then element by element.  The value
-    update adds each pattern once, with weight 1, to zeros; for the scores
-    key ``j`` holds pattern ``j`` first and zeros after, and the query is
-    ``(1, 0, ...)``: either way each result is the pattern's value (plus
-    zeros: -0.0 becomes 0.0)."""
+    in passes of four rows and four keys, where the CPU has byte permutes),
+    then element by element.  Each loop runs as one row with one key (two
+    for the scores... four keys) and as four rows with four keys.  The value
+    update adds each pattern with weight 1 to zeros (four keys: the
+    pattern's row, then three rows of zeros); for the scores key ``j``
+    holds pattern ``j`` first and zeros after, and every query row is ``(1,
+    0, ...)``: either way each result is the pattern's value (plus zeros:
+    -0.0 becomes 0.0)."""
     from numba import njit
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))
@@ -89,30 +92,39 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
 
     @njit
-    def widen_all(patterns, keys, q, code, values, scores):
-        width = np.uint64(q.size)
-        for j in range(0, values.size, q.size):
-            at = np.uint64(j)
-            kernels._axpy(values, (at,), (np.float32(1.0),), patterns, (at,), q.size, code)
-        for j in range(0, scores.size, 4):
+    def widen_all(patterns, keys, q, code, values, scores, ones, q_rows):
+        width, one, whole = np.uint64(q.size), np.float32(1.0), values.shape[1] // 4
+        for j in range(0, whole, q.size):
+            at, zeros = np.uint64(j), np.uint64(whole)  # the row after the patterns: zeros
+            kernels._axpy(values[0], (at,), (one,), patterns, (at,), q.size, code)
+            kernels._axpy(values[1], (at, at + zeros, at + zeros + zeros, at + zeros + zeros + zeros), ones,
+                          patterns, (at, zeros, zeros, zeros), q.size, code)
+        for j in range(0, scores.shape[1], 4):
             k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
                     np.uint64(j + 3) * width)
             sums = kernels._dots(q, (np.uint64(0),), keys, k_at, q.size, code)
+            sums4 = kernels._dots(q, q_rows, keys, k_at, q.size, code)
             for t in range(4):
-                scores[j + t] = sums[t]
+                scores[0, j + t] = sums[t]
+                scores[1, j + t] = sums4[12 + t]
 
     keys = np.zeros((patterns.size, length), patterns.dtype)
     keys[:, 0] = patterns
     q = np.zeros(length, np.float32)
     q[0] = 1.0
     whole = patterns.size - patterns.size % length  # values: in rows of ``length``
-    values = np.zeros(whole, np.float32)
-    scores = np.full(patterns.size, -1.0, np.float32)
-    widen_all(patterns[:whole].view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores)
+    values = np.zeros((2, 4 * whole), np.float32)  # one row; four rows
+    scores = np.full((2, patterns.size), -1.0, np.float32)
+    rows = np.concatenate([patterns[:whole], np.zeros(length, patterns.dtype)])  # and a row of zeros
+    widen_all(rows.view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
+              (np.float32(1.0),) * 16, (np.uint64(0),) * 4)
     with np.errstate(invalid="ignore"):  # signalling NaNs
         want = decode_table(dtype) + np.float32(0.0)
-    assert_same_floats(values, want[:whole])
-    assert_same_floats(scores, want)
+    assert_same_floats(values[0, :whole], want[:whole])
+    for r in range(4):
+        assert_same_floats(values[1, r * whole:(r + 1) * whole], want[:whole])
+    assert_same_floats(scores[0], want)
+    assert_same_floats(scores[1], want)
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",

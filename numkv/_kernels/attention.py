@@ -318,10 +318,12 @@ def _e4m3fn_bfloat16_bits():
     return bits
 
 
-def _blocks(narrow, real):
+def _blocks(narrow, real, rows, keys):
     """Whether the loops over ``narrow`` rows into ``real`` take whole
-    blocks of 64 elements first (``_widen_e4m3fn_block``)."""
-    return narrow == "e4m3fn" and real == ir.FloatType() and has_vbmi()
+    blocks of 64 elements first (``_widen_e4m3fn_block``): in the passes of
+    four rows and four keys only, the ones decode spends its time in (each
+    loop of blocks costs ~0.1-0.2 s of a cold call's compilation)."""
+    return narrow == "e4m3fn" and real == ir.FloatType() and rows == keys == 4 and has_vbmi()
 
 
 def _widen_e4m3fn_block(builder, x):
@@ -332,7 +334,9 @@ def _widen_e4m3fn_block(builder, x):
     words under zeros, makes the float32s: ~11 instructions for 64
     elements, where bit arithmetic (``_widen_ir``) takes ~9 for 16.  On a
     streamed cache, one thread, ``_scores`` / ``_accumulate`` took 0.126 /
-    0.127 ns an element, against 0.151 / 0.139 by bit arithmetic.  (Moving
+    0.127 ns an element, against 0.151 / 0.139 by bit arithmetic; decode at
+    Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.58x
+    (float8_e5m2: 0.52-0.55x).  (Moving
     the byte pairs with a shuffle and a mask each instead of the unpacks
     held more constants: LLVM ran out of registers and it was slower than
     bit arithmetic.)"""
@@ -625,7 +629,7 @@ def _emit_axpy(context, builder, sig, args):
         whole = _whole_vectors(builder, length, lanes, narrow)
         if not isinstance(whole, ir.Constant):
             start = ir.Constant(i64, 0)
-            if _blocks(narrow, real):
+            if _blocks(narrow, real, len(acc_rows), len(v_rows)):
                 start = builder.and_(length, ir.Constant(i64, -E4M3FN_BLOCK))
                 _emit_loop(builder, ir.Constant(i64, 0), start, E4M3FN_BLOCK, [], block)
             _emit_loop(builder, start, whole, lanes, [], step(lanes, splats))
@@ -734,7 +738,7 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
     if isinstance(whole, ir.Constant):  # no vector loop
         return _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
     start, vectors = ir.Constant(i64, 0), [ir.Constant(vec, None)] * n_sums
-    if _blocks(narrow, real):
+    if _blocks(narrow, real, len(q_rows), len(k_rows)):
         blocks = builder.and_(length, ir.Constant(i64, -E4M3FN_BLOCK))
         start, vectors = blocks, _emit_loop(builder, start, blocks, E4M3FN_BLOCK, vectors, block)
     vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
