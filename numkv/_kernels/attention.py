@@ -16,7 +16,8 @@ are read in place, and so are bfloat16, float16, float8_e4m3fn and
 float8_e5m2 rows in decode (``_kv_tile``), widened element by element as the
 loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
 no tile copy; the loop for each dtype is chosen at run time,
-``_per_format``).  Keys ``j < P`` come from the past buffers, the rest from
+``_per_format``; float8_e4m3fn 64 elements at a time by a byte table where
+the CPU has AVX-512 VBMI, ``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the rest from
 the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
 accumulation-dtype buffers with rows of ``desc`` too.
 
