@@ -1,7 +1,9 @@
 """The attention kernel's widening of narrow floats, for every bit pattern.
 
 The kernel widens float16, bfloat16 and the float8s with bit arithmetic (and
-F16C's conversion where the CPU has it); the decode tables built from
+F16C's conversion where the CPU has it; float8_e4m3fn in decode's passes of
+four rows by four keys by a byte table, where the CPU has AVX-512 VBMI); the
+decode tables built from
 ml_dtypes itself (``_dtypes.decode_table``) are the exact reference.  Every
 pattern must give the same float32 bits (any NaN for a NaN).
 """
@@ -14,6 +16,7 @@ import numkv
 from numkv import _attention
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
+from numkv._kernels.narrow import has_vbmi
 
 NARROW = ["float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
           "float8_e8m0fnu"]
@@ -78,8 +81,9 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     used: ``_axpy`` (the value update) and ``_dots`` (the scores), both in
     vector lanes over whole vectors (float8_e4m3fn in blocks of 64 before,
     in passes of four rows and four keys, where the CPU has byte permutes),
-    then element by element.  Each loop runs as one row with one key (two
-    for the scores... four keys) and as four rows with four keys.  The value
+    then element by element.  Each loop runs as one row (the value update:
+    with one key; the scores: with four) and as four rows with four keys,
+    the passes that take the blocks.  The value
     update adds each pattern with weight 1 to zeros (four keys: the
     pattern's row, then three rows of zeros); for the scores key ``j``
     holds pattern ``j`` first and zeros after, and every query row is ``(1,
@@ -118,6 +122,8 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     rows = np.concatenate([patterns[:whole], np.zeros(length, patterns.dtype)])  # and a row of zeros
     widen_all(rows.view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
               (np.float32(1.0),) * 16, (np.uint64(0),) * 4)
+    if name == "float8_e4m3fn" and length == 64 and has_vbmi():  # the blocks' byte table is in the loops
+        assert "vpermi2var" in widen_all.inspect_llvm(widen_all.signatures[0])
     with np.errstate(invalid="ignore"):  # signalling NaNs
         want = decode_table(dtype) + np.float32(0.0)
     assert_same_floats(values[0, :whole], want[:whole])

@@ -16,8 +16,9 @@ are read in place, and so are bfloat16, float16, float8_e4m3fn and
 float8_e5m2 rows in decode (``_kv_tile``), widened element by element as the
 loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
 no tile copy; the loop for each dtype is chosen at run time,
-``_per_format``; float8_e4m3fn 64 elements at a time by a byte table where
-the CPU has AVX-512 VBMI, ``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the rest from
+``_per_format``; float8_e4m3fn, in passes of four rows by four keys, 64
+elements at a time by a byte table where the CPU has AVX-512 VBMI,
+``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the rest from
 the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
 accumulation-dtype buffers with rows of ``desc`` too.
 
@@ -65,6 +66,7 @@ bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
 n_chunks`` entries when split.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -303,10 +305,12 @@ def _widen_ir(builder, bits, narrow, f16c):
     return builder.select(nan, _splat(f32, float("nan")), value)
 
 
-# float8_e4m3fn bytes a block of ``_widen_e4m3fn_block``.
+# float8_e4m3fn bytes a block of ``_widen_e4m3fn_block``: one AVX-512
+# register, four float32 vectors (fixed by the widening, not a tuning knob).
 E4M3FN_BLOCK = 64
 
 
+@functools.cache
 def _e4m3fn_bfloat16_bits():
     """The bfloat16 bits of float8_e4m3fn's 128 magnitudes (each is a
     bfloat16: 3 mantissa bits, exponents 2**-9 .. 2**8); 0x7F is NaN."""
@@ -316,7 +320,7 @@ def _e4m3fn_bfloat16_bits():
         value = (math.nan if em == 0x7F else mantissa * 2.0 ** -9 if exponent == 0
                  else (1 + mantissa / 8) * 2.0 ** (exponent - 7))
         bits.append(int(np.float32(value).view(np.uint32)) >> 16)
-    return bits
+    return tuple(bits)
 
 
 def _blocks(narrow, real, rows, keys):
@@ -541,7 +545,9 @@ def _dots(typingctx, q, q_at, k, k_at, length, code):
     sums).  Each sum runs in vector lanes over ``D``'s whole vectors, the
     lanes reduced by the same tree, then on from there one element at a
     time over the rest: a dot product's bits depend on ``D`` only, not on
-    which pass or neighbours it had."""
+    which pass or neighbours it had (a NaN's sign aside: float8_e4m3fn's
+    byte table keeps the sign of a NaN pattern, its bit arithmetic does
+    not)."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
             and k_at.count == 4 and q_at.count in (1, 2, 4) and k.dtype == types.uint8):
         return None

@@ -33,8 +33,8 @@ def has_f16c():
 def has_vbmi():
     """Whether numba compiles for a CPU with AVX-512 VBMI: byte permutes
     across a whole register (``vpermi2b``), a 128-entry byte table a
-    lookup (Ice Lake, Sapphire Rapids, Zen 4 on)."""
-    return {"+avx512f", "+avx512bw", "+avx512vbmi", "+f16c"} <= _target_features()
+    lookup (AMD Zen 4 on; Intel's Ice Lake and later server chips)."""
+    return {"+avx512f", "+avx512bw", "+avx512vbmi"} <= _target_features()
 
 
 @intrinsic
