@@ -103,14 +103,14 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
             kernels._axpy(values[0], (at,), (one,), patterns, (at,), q.size, code)
             kernels._axpy(values[1], (at, at + zeros, at + zeros + zeros, at + zeros + zeros + zeros), ones,
                           patterns, (at, zeros, zeros, zeros), q.size, code)
-        for j in range(0, scores.shape[1], 4):
+        n = np.uint64(scores.shape[1] // 4)  # scores[1]: four rows of n
+        for j in range(0, scores.shape[1] // 4, 4):
             k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
                     np.uint64(j + 3) * width)
-            sums = kernels._dots(q, (np.uint64(0),), keys, k_at, q.size, code)
-            sums4 = kernels._dots(q, q_rows, keys, k_at, q.size, code)
-            for t in range(4):
-                scores[0, j + t] = sums[t]
-                scores[1, j + t] = sums4[12 + t]
+            at = np.uint64(j)
+            kernels._dots(scores[0], (at,), 4, q, (np.uint64(0),), keys, k_at, q.size, code)
+            kernels._dots(scores[1], (at, at + n, at + n + n, at + n + n + n), 4, q, q_rows, keys, k_at, q.size,
+                          code)
 
     keys = np.zeros((patterns.size, length), patterns.dtype)
     keys[:, 0] = patterns
@@ -118,7 +118,7 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     q[0] = 1.0
     whole = patterns.size - patterns.size % length  # values: in rows of ``length``
     values = np.zeros((2, 4 * whole), np.float32)  # one row; four rows
-    scores = np.full((2, patterns.size), -1.0, np.float32)
+    scores = np.full((2, 4 * patterns.size), -1.0, np.float32)  # one row; four rows
     rows = np.concatenate([patterns[:whole], np.zeros(length, patterns.dtype)])  # and a row of zeros
     widen_all(rows.view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
               (np.float32(1.0),) * 16, (np.uint64(0),) * 4)
@@ -129,8 +129,9 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     assert_same_floats(values[0, :whole], want[:whole])
     for r in range(4):
         assert_same_floats(values[1, r * whole:(r + 1) * whole], want[:whole])
-    assert_same_floats(scores[0], want)
-    assert_same_floats(scores[1], want)
+    assert_same_floats(scores[0, :patterns.size], want)
+    for r in range(4):
+        assert_same_floats(scores[1, r * patterns.size:(r + 1) * patterns.size], want)
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",

@@ -532,43 +532,62 @@ VECTOR_BYTES = 64
 
 
 @intrinsic
-def _dots(typingctx, q, q_at, k, k_at, length, code):
+def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
     """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
     ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
-    ``k_at``), row-major: ``sums[4 * r + j]``.  ``q`` is a flat float array,
-    ``k`` raw bytes holding elements of dtype ``code`` (``_per_format``), and
+    ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
+    (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
+    last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
+    raw bytes holding elements of dtype ``code`` (``_per_format``), and
     ``k_at`` counts those elements.
 
     Written as LLVM IR so that the eight sums of a vector loop are reduced
     together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
     one reduction after another, which is what LLVM makes of scalar running
-    sums).  Each sum runs in vector lanes over ``D``'s whole vectors, the
+    sums), and a row's four sums leave the reduced lanes as one store
+    (against 16 extractions and stores a pass, ~1/3 of the scores' time at
+    D = 64).  Each sum runs in vector lanes over ``D``'s whole vectors, the
     lanes reduced by the same tree, then on from there one element at a
     time over the rest: a dot product's bits depend on ``D`` only, not on
     which pass or neighbours it had (a NaN's sign aside: float8_e4m3fn's
     byte table keeps the sign of a NaN pattern, its bit arithmetic does
     not)."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
-            and k_at.count == 4 and q_at.count in (1, 2, 4) and k.dtype == types.uint8):
+            and isinstance(out_at, types.UniTuple) and k_at.count == 4 and q_at.count in (1, 2, 4)
+            and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype):
         return None
-    sig = types.UniTuple(q.dtype, 4 * q_at.count)(q, q_at, k, k_at, length, code)
-    return sig, _emit_dots
+    return types.void(out, out_at, count, q, q_at, k, k_at, length, code), _emit_dots
 
 
 def _emit_dots(context, builder, sig, args):
-    q_ty, _, k_ty, _, length_ty, _ = sig.args
-    q_arr = context.make_array(q_ty)(context, builder, args[0])
-    k_arr = context.make_array(k_ty)(context, builder, args[2])
-    length = context.cast(builder, args[4], length_ty, types.int64)
-    q_rows = [builder.gep(q_arr.data, [builder.extract_value(args[1], r)]) for r in range(sig.args[1].count)]
+    out_ty, _, count_ty, q_ty, q_at_ty, k_ty, _, length_ty, _ = sig.args
+    out_arr = context.make_array(out_ty)(context, builder, args[0])
+    q_arr = context.make_array(q_ty)(context, builder, args[3])
+    k_arr = context.make_array(k_ty)(context, builder, args[5])
+    length = context.cast(builder, args[7], length_ty, types.int64)
+    q_rows = [builder.gep(q_arr.data, [builder.extract_value(args[4], r)]) for r in range(q_at_ty.count)]
     real = context.get_value_type(q_ty.dtype)
 
-    def sums(elem, narrow):
+    def rows(elem, narrow):
         keys = builder.bitcast(k_arr.data, elem.as_pointer())
-        k_rows = [builder.gep(keys, [builder.extract_value(args[3], j)]) for j in range(4)]
+        k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(4)]
         return _dot_sums(builder, q_rows, k_rows, length, real, narrow)
 
-    return _pack(context, builder, sig, _per_format(builder, args[5], real, sums))
+    row_ty = ir.VectorType(real, 4)
+    i32 = ir.IntType(32)
+    count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
+    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]),
+                                 builder.shuffle_vector(builder.insert_element(ir.Constant(ir.VectorType(i32, 4), None),
+                                                                               count, ir.Constant(i32, 0)),
+                                                        ir.Constant(ir.VectorType(i32, 4), None),
+                                                        ir.Constant(ir.VectorType(i32, 4), [0] * 4)))
+    store = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [row_ty, row_ty.as_pointer(), i32, mask.type]),
+        f"llvm.masked.store.v4{'f32' if real == ir.FloatType() else 'f64'}.p0")
+    for r, row in enumerate(_per_format(builder, args[8], real, rows)):
+        at = builder.gep(out_arr.data, [builder.extract_value(args[1], r)])
+        builder.call(store, [row, builder.bitcast(at, row_ty.as_pointer()), ir.Constant(i32, _BYTES[str(real)]), mask])
+    return context.get_dummy_value()
 
 
 @intrinsic
@@ -714,8 +733,8 @@ def _fmuladd(builder, ty):
 
 
 def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
-    """IR: the sums of ``_dots`` (``narrow``: the keys' format, ``_widen_ir``;
-    None: ``real``)."""
+    """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its four
+    keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``)."""
     i64 = ir.IntType(64)
     lanes = VECTOR_BYTES // _BYTES[str(real)]
     vec = ir.VectorType(real, lanes)
@@ -741,20 +760,49 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
                     accs[4 * r + j] = builder.call(fn, [qv, kv, accs[4 * r + j]])
         return accs
 
-    n_sums = 4 * len(q_rows)
+    n_sums, i32 = 4 * len(q_rows), ir.IntType(32)
     if isinstance(whole, ir.Constant):  # no vector loop
-        return _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
+        sums = _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
+        return _as_rows(builder, sums)
     start, vectors = ir.Constant(i64, 0), [ir.Constant(vec, None)] * n_sums
     if _blocks(narrow, real, len(q_rows), len(k_rows)):
         blocks = builder.and_(length, ir.Constant(i64, -E4M3FN_BLOCK))
         start, vectors = blocks, _emit_loop(builder, start, blocks, E4M3FN_BLOCK, vectors, block)
     vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
-    sums = []
-    for first in range(0, n_sums, 8):
-        group = vectors[first:first + 8]
-        reduced = _reduce_lanes(builder, group)
-        sums += [builder.extract_element(reduced, ir.Constant(ir.IntType(32), t)) for t in range(len(group))]
-    return _emit_loop(builder, whole, length, 1, sums, step(1, real))
+    reduced = [_reduce_lanes(builder, vectors[first:first + 8]) for first in range(0, n_sums, 8)]
+    # The rows straight from the reduced lanes (eight sums a vector: two
+    # rows); where D has a tail, one element at a time on from them.
+    whole_rows = [builder.shuffle_vector(reduced[r // 2], reduced[r // 2],
+                                         ir.Constant(ir.VectorType(i32, 4), [4 * (r % 2) + t for t in range(4)]))
+                  for r in range(len(q_rows))]
+    before = builder.block
+    tail, after = builder.append_basic_block("tail"), builder.append_basic_block("tail.after")
+    builder.cbranch(builder.icmp_signed("<", whole, length), tail, after)
+    builder.position_at_end(tail)
+    sums = [builder.extract_element(reduced[i // 8], ir.Constant(i32, i % 8)) for i in range(n_sums)]
+    tail_rows = _as_rows(builder, _emit_loop(builder, whole, length, 1, sums, step(1, real)))
+    tail_end = builder.block
+    builder.branch(after)
+    builder.position_at_end(after)
+    rows = []
+    for whole_row, tail_row in zip(whole_rows, tail_rows):
+        phi = builder.phi(whole_row.type)
+        phi.add_incoming(whole_row, before)
+        phi.add_incoming(tail_row, tail_end)
+        rows.append(phi)
+    return rows
+
+
+def _as_rows(builder, sums):
+    """IR: sums ``4 r + j`` as one ``<4 x real>`` a row ``r``."""
+    row = ir.Constant(ir.VectorType(sums[0].type, 4), None)
+    rows = []
+    for first in range(0, len(sums), 4):
+        vector = row
+        for j in range(4):
+            vector = builder.insert_element(vector, sums[first + j], ir.Constant(ir.IntType(32), j))
+        rows.append(vector)
+    return rows
 
 
 def _emit_loop(builder, start, stop, stride, init, body):
@@ -975,7 +1023,8 @@ def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
     for many rows, else a loop over four keys at a time that scores them
     against four query rows (then two, then one) per pass (``_dots``);
     ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
-    past the last key repeats it: every score comes from the same sum, so
+    past the last key repeats it (and stores only the tile's scores): every
+    score comes from the same sum, so
     its bits depend neither on the number of rows (GQA equals MHA with K/V
     repeated) nor on the tile's length (a masked key at its end changes
     nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
@@ -995,29 +1044,22 @@ def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
                 at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
         if prefetch:
             _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
+        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
         r = 0
         while r + 4 <= rows:
             q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
                     np.uint64(r + 3) * width)
-            _put_scores(sf, n, (r, r + 1, r + 2, r + 3), keys, _dots(qf, q_at, kb, k_at, d_k, code))
+            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                    s0 + np.uint64(r + 3) * stride)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
             r += 4
         if r + 2 <= rows:
             q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-            _put_scores(sf, n, (r, r + 1), keys, _dots(qf, q_at, kb, k_at, d_k, code))
+            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+                  d_k, code)
             r += 2
         if r < rows:
-            _put_scores(sf, n, (r,), keys, _dots(qf, (np.uint64(r) * width,), kb, k_at, d_k, code))
-
-
-@jit(inline=True)
-def _put_scores(sf, n, rows, keys, sums):
-    """``s[row, key] = sums[4 * i + j]`` for ``rows[i]``, ``keys[j]``
-    (``sf``: the ``(rows, n)`` scores, flat); a repeated key (past the
-    tile's end) is written twice with the same value."""
-    for i in range(len(rows)):
-        at = np.uint64(rows[i] * n)
-        for j in range(4):
-            sf[at + np.uint64(keys[j])] = sums[4 * i + j]
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
 
 
 @jit()
