@@ -898,7 +898,8 @@ def _exp_impl(x):
         # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
         # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
         # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
-        # within 0.6 ulp of e**x.
+        # within ~1 ulp of e**x (0.99-1.02 at worst, 0.27 on average over 5.6
+        # million values in (-87, 0], with or without FMA contraction).
         inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
         xc = x if inside else np.float32(-87.0)
         n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
