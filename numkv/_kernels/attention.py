@@ -18,8 +18,8 @@ loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
 no tile copy; the loop for each dtype is chosen at run time,
 ``_per_format``; float8_e4m3fn, in passes of four rows by four keys, 64
 elements at a time by a byte table where the CPU has AVX-512 VBMI,
-``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the rest from
-the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
+``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the
+rest from the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
 accumulation-dtype buffers with rows of ``desc`` too.
 
 Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
@@ -269,6 +269,13 @@ _e5m2_to_float32 = _narrow_intrinsic("e5m2", 8, "float32 value of float8_e5m2 bi
 _e4m3fn_to_float32 = _narrow_intrinsic("e4m3fn", 8, "float32 value of float8_e4m3fn bits.")
 
 
+def _broadcast(builder, value, lanes):
+    """IR: a vector of ``lanes`` copies of the run-time scalar ``value``."""
+    ty = ir.VectorType(value.type, lanes)
+    one = builder.insert_element(ir.Constant(ty, None), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
 def _splat(ty, value):
     """A constant of ``ty`` (a scalar or vector type) with every lane ``value``."""
     if isinstance(ty, ir.VectorType):
@@ -341,10 +348,9 @@ def _widen_e4m3fn_block(builder, x):
     streamed cache, one thread, ``_scores`` / ``_accumulate`` took 0.126 /
     0.127 ns an element, against 0.151 / 0.139 by bit arithmetic; decode at
     Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.58x
-    (float8_e5m2: 0.52-0.55x).  (Moving
-    the byte pairs with a shuffle and a mask each instead of the unpacks
-    held more constants: LLVM ran out of registers and it was slower than
-    bit arithmetic.)"""
+    (float8_e5m2: 0.52-0.55x).  (Moving the byte pairs with a shuffle and a
+    mask each instead of the unpacks held more constants: LLVM ran out of
+    registers and it was slower than bit arithmetic.)"""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     bytes64, words32 = ir.VectorType(i8, 64), ir.VectorType(i16, 32)
 
@@ -576,11 +582,7 @@ def _emit_dots(context, builder, sig, args):
     row_ty = ir.VectorType(real, 4)
     i32 = ir.IntType(32)
     count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
-    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]),
-                                 builder.shuffle_vector(builder.insert_element(ir.Constant(ir.VectorType(i32, 4), None),
-                                                                               count, ir.Constant(i32, 0)),
-                                                        ir.Constant(ir.VectorType(i32, 4), None),
-                                                        ir.Constant(ir.VectorType(i32, 4), [0] * 4)))
+    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]), _broadcast(builder, count, 4))
     store = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [row_ty, row_ty.as_pointer(), i32, mask.type]),
         f"llvm.masked.store.v4{'f32' if real == ir.FloatType() else 'f64'}.p0")
@@ -618,12 +620,7 @@ def _emit_axpy(context, builder, sig, args):
     acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(acc_at_ty.count)]
     weights = [builder.extract_value(args[2], i) for i in range(acc_at_ty.count * v_at_ty.count)]
     lanes = VECTOR_BYTES // _BYTES[str(real)]
-    i32 = ir.IntType(32)
-    vec = ir.VectorType(real, lanes)
-    splats = []
-    for w in weights:  # each weight in every lane
-        one = builder.insert_element(ir.Constant(vec, None), w, ir.Constant(i32, 0))
-        splats.append(builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
+    splats = [_broadcast(builder, w, lanes) for w in weights]  # each weight in every lane
 
     def loops(elem, narrow):
         values = builder.bitcast(v_arr.data, elem.as_pointer())
@@ -687,20 +684,7 @@ def _per_format(builder, code, real, emit):
         results.append((emit(elem, narrow), builder.block))
         builder.branch(after)
     builder.position_at_end(after)
-    merged = []
-    for i, first in enumerate(results[0][0]):
-        phi = builder.phi(first.type)
-        for values, block in results:
-            phi.add_incoming(values[i], block)
-        merged.append(phi)
-    return merged
-
-
-def _pack(context, builder, sig, values):
-    out = cgutils.get_null_value(context.get_value_type(sig.return_type))
-    for i, value in enumerate(values):
-        out = builder.insert_value(out, value, i)
-    return out
+    return _phis(builder, results)
 
 
 _BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
@@ -784,13 +768,7 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
     tail_end = builder.block
     builder.branch(after)
     builder.position_at_end(after)
-    rows = []
-    for whole_row, tail_row in zip(whole_rows, tail_rows):
-        phi = builder.phi(whole_row.type)
-        phi.add_incoming(whole_row, before)
-        phi.add_incoming(tail_row, tail_end)
-        rows.append(phi)
-    return rows
+    return _phis(builder, [(whole_rows, before), (tail_rows, tail_end)])
 
 
 def _as_rows(builder, sums):
@@ -827,13 +805,19 @@ def _emit_loop(builder, start, stop, stride, init, body):
     backedge = builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
     backedge.set_metadata("llvm.loop", _as_written(builder.module))
     builder.position_at_end(after)
-    out = []
-    for first, updated in zip(init, new):
+    return _phis(builder, [(init, before), (new, end)])
+
+
+def _phis(builder, incoming):
+    """IR: one phi a value, merging ``incoming``, ``(values, block)`` pairs
+    (each block's values in the same order)."""
+    merged = []
+    for i, first in enumerate(incoming[0][0]):
         phi = builder.phi(first.type)
-        phi.add_incoming(first, before)
-        phi.add_incoming(updated, end)
-        out.append(phi)
-    return out
+        for values, block in incoming:
+            phi.add_incoming(values[i], block)
+        merged.append(phi)
+    return merged
 
 
 def _as_written(module):
@@ -1025,10 +1009,9 @@ def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
     against four query rows (then two, then one) per pass (``_dots``);
     ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
     past the last key repeats it (and stores only the tile's scores): every
-    score comes from the same sum, so
-    its bits depend neither on the number of rows (GQA equals MHA with K/V
-    repeated) nor on the tile's length (a masked key at its end changes
-    nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
+    score comes from the same sum, so its bits depend neither on the number
+    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
+    masked key at its end changes nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
     narrow one too (``_per_format``; float32 ``qt``)."""
     if use_blas:
         _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
