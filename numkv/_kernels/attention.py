@@ -347,8 +347,8 @@ def _widen_e4m3fn_block(builder, x):
     elements, where bit arithmetic (``_widen_ir``) takes ~9 for 16.  On a
     streamed cache, one thread, ``_scores`` / ``_accumulate`` took 0.126 /
     0.127 ns an element, against 0.151 / 0.139 by bit arithmetic; decode at
-    Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.58x
-    (float8_e5m2: 0.52-0.55x).  (Moving the byte pairs with a shuffle and a
+    Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.60x
+    (float8_e5m2: 0.52-0.59x; whole bench runs: 0.53x and 0.615x).  (Moving the byte pairs with a shuffle and a
     mask each instead of the unpacks held more constants: LLVM ran out of
     registers and it was slower than bit arithmetic.)"""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
