@@ -80,15 +80,13 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     """Decode reads these caches in place, widening each element as it is
     used: ``_axpy`` (the value update) and ``_dots`` (the scores), both in
     vector lanes over whole vectors (float8_e4m3fn in blocks of 64 before,
-    in passes of four rows and four keys, where the CPU has byte permutes),
-    then element by element.  Each loop runs as one row (the value update:
-    with one key; the scores: with four) and as four rows with four keys,
-    the passes that take the blocks.  The value
-    update adds each pattern with weight 1 to zeros (four keys: the
-    pattern's row, then three rows of zeros); for the scores key ``j``
-    holds pattern ``j`` first and zeros after, and every query row is ``(1,
-    0, ...)``: either way each result is the pattern's value (plus zeros:
-    -0.0 becomes 0.0)."""
+    in passes of four rows, where the CPU has byte permutes), then element
+    by element.  Each loop runs as one row and as four rows, with four
+    keys.  The value update adds each pattern with weight 1 to zeros (four
+    keys: the pattern's row, then three rows of zeros); for the scores key
+    ``j`` holds pattern ``j`` first and zeros after, and every query row is
+    ``(1, 0, ...)``: either way each result is the pattern's value (plus
+    zeros: -0.0 becomes 0.0)."""
     from numba import njit
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))
@@ -96,13 +94,15 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
 
     @njit
-    def widen_all(patterns, keys, q, code, values, scores, ones, q_rows):
-        width, one, whole = np.uint64(q.size), np.float32(1.0), values.shape[1] // 4
-        for j in range(0, whole, q.size):
-            at, zeros = np.uint64(j), np.uint64(whole)  # the row after the patterns: zeros
-            kernels._axpy(values[0], (at,), (one,), patterns, (at,), q.size, code)
-            kernels._axpy(values[1], (at, at + zeros, at + zeros + zeros, at + zeros + zeros + zeros), ones,
-                          patterns, (at, zeros, zeros, zeros), q.size, code)
+    def widen_all(v_rows, keys, q, code, values, scores, ones, q_rows):
+        width = np.uint64(q.size)
+        whole = values.shape[1] // 4
+        zero = np.uint64(0)
+        for j in range(0, whole, q.size):  # four rows of V from element 4 j: the patterns, then zeros
+            at, stride = np.uint64(j), np.uint64(whole)
+            kernels._axpy(values[0], (at,), ones, (zero,), v_rows, 4 * at, width, zero, 4, q.size, code)
+            kernels._axpy(values[1], (at, at + stride, at + stride + stride, at + stride + stride + stride), ones,
+                          (zero, zero, zero, zero), v_rows, 4 * at, width, zero, 4, q.size, code)
         n = np.uint64(scores.shape[1] // 4)  # scores[1]: four rows of n
         for j in range(0, scores.shape[1] // 4, 4):
             k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
@@ -119,9 +119,10 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     whole = patterns.size - patterns.size % length  # values: in rows of ``length``
     values = np.zeros((2, 4 * whole), np.float32)  # one row; four rows
     scores = np.full((2, 4 * patterns.size), -1.0, np.float32)  # one row; four rows
-    rows = np.concatenate([patterns[:whole], np.zeros(length, patterns.dtype)])  # and a row of zeros
-    widen_all(rows.view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
-              (np.float32(1.0),) * 16, (np.uint64(0),) * 4)
+    v_rows = np.zeros((whole // length, 4, length), patterns.dtype)  # each row of patterns, three of zeros
+    v_rows[:, 0] = patterns[:whole].reshape(-1, length)
+    widen_all(v_rows.reshape(-1).view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
+              np.ones(4, np.float32), (np.uint64(0),) * 4)
     if name == "float8_e4m3fn" and length == 64 and has_vbmi():  # the blocks' byte table is in the loops
         assert "vpermi2var" in widen_all.inspect_llvm(widen_all.signatures[0])
     with np.errstate(invalid="ignore"):  # signalling NaNs

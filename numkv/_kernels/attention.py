@@ -157,14 +157,19 @@ def _prefetch(typingctx, flat, index):
     8 / 16 / 24 / 32 / 64 ahead: 16 best or level)."""
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
-                                              ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        _emit_prefetch(builder, builder.gep(ary.data, [args[1]]))
         return context.get_dummy_value()
 
     return types.void(flat, index), codegen
+
+
+def _emit_prefetch(builder, ptr):
+    """IR of ``_prefetch``: the cache line at ``ptr`` into L2."""
+    ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+    i32 = ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
+                                          ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
 
 
 @jit(inline=True)
@@ -330,12 +335,12 @@ def _e4m3fn_bfloat16_bits():
     return tuple(bits)
 
 
-def _blocks(narrow, real, rows, keys):
+def _blocks(narrow, real, rows):
     """Whether the loops over ``narrow`` rows into ``real`` take whole
-    blocks of 64 elements first (``_widen_e4m3fn_block``): in the passes of
-    four rows and four keys only, the ones decode spends its time in (each
-    loop of blocks costs ~0.1-0.2 s of a cold call's compilation)."""
-    return narrow == "e4m3fn" and real == ir.FloatType() and rows == keys == 4 and has_vbmi()
+    blocks of 64 elements (``_widen_e4m3fn_block``): in the passes of four
+    query rows only, the ones decode spends its time in (each loop of
+    blocks costs ~0.1-0.2 s of a cold call's compilation)."""
+    return narrow == "e4m3fn" and real == ir.FloatType() and rows == 4 and has_vbmi()
 
 
 def _widen_e4m3fn_block(builder, x):
@@ -593,73 +598,88 @@ def _emit_dots(context, builder, sig, args):
 
 
 @intrinsic
-def _axpy(typingctx, acc, acc_at, weights, v, v_at, length, code):
-    """``acc[acc_at[r] + d] += weights[K * r + k] * v_k[d]`` for ``d <
-    length``, the ``K`` keys (1 or 4) added one after another to each
-    element (a chain of FMAs, in key order); ``v_k`` is the row at element
-    ``v_at[k]`` of the raw bytes ``v``, of dtype ``code`` (``_per_format``).
-    ``R`` rows (1 or 4) a pass: each loaded V vector feeds them all.
+def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code):
+    """``acc[acc_at[r] + d] += p[p_at[r] + j] * v_j[d]`` for keys ``j <
+    keys`` and ``d < length``, the keys added one after another to each
+    element (a chain of FMAs, in key order); ``v_j`` is the row at element
+    ``v_at + j * ld`` of the raw bytes ``v``, of dtype ``code``
+    (``_per_format``).  ``R`` rows (1 or 4, ``acc_at`` and ``p_at``): each
+    loaded V vector feeds them all.  ``ahead`` (elements; 0: none): each
+    vector loaded asks for the one that far on (``_prefetch``).
 
-    LLVM IR, in vector lanes over ``D``'s whole vectors, then element by
-    element (each element takes the same chain either way).  One compiled
+    LLVM IR.  ``D`` is taken in runs of four vectors, then of one, then of
+    one element; in each run the rows' accumulators are loaded once, take
+    every key's FMAs in registers, and are stored once (``AXPY_KEYS``).
+    Each element takes the same chain whichever run holds it.  One compiled
     loop per format, chosen at run time, in every kernel: a narrow cache
     costs no compilation of its own."""
-    if not (isinstance(acc_at, types.UniTuple) and isinstance(v_at, types.UniTuple)
-            and isinstance(weights, types.UniTuple) and acc_at.count in (1, 4) and v_at.count in (1, 4)
-            and weights.count == acc_at.count * v_at.count and v.dtype == types.uint8):
+    if not (isinstance(acc_at, types.UniTuple) and isinstance(p_at, types.UniTuple)
+            and acc_at.count in (1, 4) and p_at.count == acc_at.count and v.dtype == types.uint8
+            and p.dtype == acc.dtype):
         return None
-    return types.void(acc, acc_at, weights, v, v_at, length, code), _emit_axpy
+    return types.void(acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code), _emit_axpy
 
 
 def _emit_axpy(context, builder, sig, args):
-    acc_ty, acc_at_ty, _, v_ty, v_at_ty, length_ty, _ = sig.args
+    acc_ty, acc_at_ty, p_ty, _, v_ty = sig.args[:5]
     acc_arr = context.make_array(acc_ty)(context, builder, args[0])
-    v_arr = context.make_array(v_ty)(context, builder, args[3])
-    length = context.cast(builder, args[5], length_ty, types.int64)
+    p_arr = context.make_array(p_ty)(context, builder, args[2])
+    v_arr = context.make_array(v_ty)(context, builder, args[4])
+    v_at, ld, ahead, keys, length = (context.cast(builder, args[i], sig.args[i], types.int64) for i in range(5, 10))
+    prefetching = builder.icmp_signed("!=", ahead, ir.Constant(ir.IntType(64), 0))
     real = context.get_value_type(acc_ty.dtype)
-    acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(acc_at_ty.count)]
-    weights = [builder.extract_value(args[2], i) for i in range(acc_at_ty.count * v_at_ty.count)]
-    lanes = VECTOR_BYTES // _BYTES[str(real)]
-    splats = [_broadcast(builder, w, lanes) for w in weights]  # each weight in every lane
+    n_rows = acc_at_ty.count
+    acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(n_rows)]
+    p_rows = [builder.gep(p_arr.data, [builder.extract_value(args[3], r)]) for r in range(n_rows)]
+    lanes, align = VECTOR_BYTES // _BYTES[str(real)], _BYTES[str(real)]
+    i64 = ir.IntType(64)
 
     def loops(elem, narrow):
-        values = builder.bitcast(v_arr.data, elem.as_pointer())
-        v_rows = [builder.gep(values, [builder.extract_value(args[4], k)]) for k in range(v_at_ty.count)]
+        first = builder.gep(builder.bitcast(v_arr.data, elem.as_pointer()), [v_at])
 
-        def update(at, vs, factors):  # acc rows at ``at`` += factors * the keys' values ``vs``
-            ty = vs[0].type
+        def run(width, parts, block):  # the keys over ``parts`` runs of ``width`` elements from ``d0``
+            ty = ir.VectorType(real, width) if width > 1 else real
             fma = _fmuladd(builder, ty)
-            for r, row in enumerate(acc_rows):
-                ptr = builder.bitcast(builder.gep(row, [at]), ty.as_pointer())
-                a = builder.load(ptr, align=_BYTES[str(real)])
-                for k, value in enumerate(vs):
-                    a = builder.call(fma, [factors[r * len(vs) + k], value, a])
-                builder.store(a, ptr, align=_BYTES[str(real)])
 
-        def step(width, factors):
-            def body(at, _):
-                update(at, [_load(builder, row, at, width, narrow) for row in v_rows], factors)
+            def body(d0, _):
+                ptrs = [builder.bitcast(builder.gep(row, [builder.add(d0, ir.Constant(i64, c * width))]),
+                                        ty.as_pointer()) for row in acc_rows for c in range(parts)]
+
+                def key(j, accs):
+                    row = builder.gep(first, [builder.add(builder.mul(j, ld), d0)])
+                    if width > 1:
+                        with builder.if_then(prefetching, likely=True):
+                            for c in range(parts):
+                                at = builder.add(ahead, ir.Constant(i64, c * width))
+                                _emit_prefetch(builder, builder.gep(row, [at]))
+                    if block:
+                        bytes64 = _load(builder, row, ir.Constant(i64, 0), E4M3FN_BLOCK, None)
+                        vs = _widen_e4m3fn_block(builder, bytes64)
+                    else:
+                        vs = [_load(builder, row, ir.Constant(i64, c * width), width, narrow) for c in range(parts)]
+                    ws = [builder.load(builder.gep(p_row, [j])) for p_row in p_rows]
+                    if width > 1:
+                        ws = [_broadcast(builder, w, width) for w in ws]
+                    return [builder.call(fma, [ws[r], vs[c], accs[r * parts + c]])
+                            for r in range(n_rows) for c in range(parts)]
+
+                accs = [builder.load(ptr, align=align) for ptr in ptrs]
+                accs = _emit_loop(builder, ir.Constant(i64, 0), keys, 1, accs, key)
+                for ptr, a in zip(ptrs, accs):
+                    builder.store(a, ptr, align=align)
                 return []
             return body
 
-        def block(at, _):  # four vector steps
-            vs = [_widen_e4m3fn_block(builder, _load(builder, row, at, E4M3FN_BLOCK, None)) for row in v_rows]
-            for part, first in enumerate(range(0, E4M3FN_BLOCK, lanes)):
-                update(builder.add(at, ir.Constant(i64, first)), [v[part] for v in vs], splats)
-            return []
-
-        i64 = ir.IntType(64)
-        whole = _whole_vectors(builder, length, lanes, narrow)
+        whole, start = _whole_vectors(builder, length, lanes, narrow), ir.Constant(i64, 0)
         if not isinstance(whole, ir.Constant):
-            start = ir.Constant(i64, 0)
-            if _blocks(narrow, real, len(acc_rows), len(v_rows)):
-                start = builder.and_(length, ir.Constant(i64, -E4M3FN_BLOCK))
-                _emit_loop(builder, ir.Constant(i64, 0), start, E4M3FN_BLOCK, [], block)
-            _emit_loop(builder, start, whole, lanes, [], step(lanes, splats))
-        _emit_loop(builder, whole, length, 1, [], step(1, weights))
+            start = builder.and_(length, ir.Constant(i64, -4 * lanes))
+            blocks = _blocks(narrow, real, n_rows)
+            _emit_loop(builder, ir.Constant(i64, 0), start, 4 * lanes, [], run(lanes, 4, blocks))
+            _emit_loop(builder, start, whole, lanes, [], run(lanes, 1, False))
+        _emit_loop(builder, whole, length, 1, [], run(1, 1, False))
         return []
 
-    _per_format(builder, args[6], real, loops)
+    _per_format(builder, args[10], real, loops)
     return context.get_dummy_value()
 
 
@@ -749,7 +769,7 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
         sums = _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
         return _as_rows(builder, sums)
     start, vectors = ir.Constant(i64, 0), [ir.Constant(vec, None)] * n_sums
-    if _blocks(narrow, real, len(q_rows), len(k_rows)):
+    if _blocks(narrow, real, len(q_rows)):
         blocks = builder.and_(length, ir.Constant(i64, -E4M3FN_BLOCK))
         start, vectors = blocks, _emit_loop(builder, start, blocks, E4M3FN_BLOCK, vectors, block)
     vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
@@ -795,13 +815,13 @@ def _emit_loop(builder, start, stop, stride, init, body):
     at = builder.phi(i64)
     values = [builder.phi(v.type) for v in init]
     new = body(at, values)
+    end = builder.block  # the body's last block (it may hold loops of its own)
     following = builder.add(at, ir.Constant(i64, stride))
     at.add_incoming(start, before)
-    at.add_incoming(following, loop)
+    at.add_incoming(following, end)
     for phi, first, updated in zip(values, init, new):
         phi.add_incoming(first, before)
-        phi.add_incoming(updated, loop)
-    end = builder.block
+        phi.add_incoming(updated, end)
     backedge = builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
     backedge.set_metadata("llvm.loop", _as_written(builder.module))
     builder.position_at_end(after)
@@ -1056,20 +1076,24 @@ def _all_weighted(p, rows, n):
     return zeros == 0
 
 
+# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
+# the longer the run, the longer the accumulators stay in registers.  Runs
+# of 16 against a load and a store of every accumulator each four keys (4
+# rows, one thread, value update alone, medians of interleaved calls): D =
+# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
+# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
+# longer than a run of four vectors (D = 128), streamed from memory, took
+# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
+# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
+# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
+# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
+AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
+
+
 @jit(inline=True)
-def _accumulate_row(p, vb, at, ld, accf, d_v, r, j, n, code):
-    """Row ``r`` of ``_accumulate``'s loop for keys ``j .. j + 4``: the same
-    chain of FMAs as a pass of four rows, leaving out masked keys."""
-    row = (np.uint64(r * d_v),)
-    v0 = at + np.uint64(j) * ld
-    if j + 4 <= n and p[r, j] != 0 and p[r, j + 1] != 0 and p[r, j + 2] != 0 and p[r, j + 3] != 0:
-        _axpy(accf, row, (p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]), vb,
-              (v0, v0 + ld, v0 + ld + ld, v0 + ld + ld + ld), d_v, code)
-        return
-    for jj in range(j, min(j + 4, n)):
-        w = p[r, jj]
-        if w != 0 or math.copysign(1.0, w) > 0:  # a masked key's -0.0 is left out
-            _axpy(accf, row, (w,), vb, (at + np.uint64(jj) * ld,), d_v, code)
+def _masked(weight):
+    """Whether a weight is a masked key's ``-0.0`` (see ``_exp``)."""
+    return weight == 0 and math.copysign(1.0, weight) < 0
 
 
 @jit()
@@ -1085,11 +1109,9 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     The loop adds one key after another to each element (an FMA chain, no
     reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
     row's bits do not depend on its neighbours, nor on which pass took it.
-    Where no weight of the tile is zero, passes take four rows and four keys:
-    four loads of V and four loads and stores of acc feed sixteen FMAs (G =
-    4, D = 128, when the passes were chosen: 19 ns a key, against 30 for two
-    rows a pass or for a zero test in every pass); other rows go one at a
-    time (``_accumulate_row``)."""
+    Where no weight of the tile is zero, rows go four at a time (each
+    loaded V vector feeds four rows); the others one at a time, in runs of
+    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys."""
     d_v = acc.shape[1]
     for r in range(rows):
         a = alpha[r]
@@ -1099,11 +1121,11 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     if use_blas and not skip_masked:
         _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
         return
-    accf = acc.reshape(rows * d_v)
-    at, ld, size = np.uint64(vo), np.uint64(vld), _itemsize(code)
+    accf, pf = acc.reshape(rows * d_v), p.reshape(rows * n)
+    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
     ahead = np.uint64(PREFETCH_KEYS) * ld
     rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
-    n4 = n - n % 4
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > VECTOR_BYTES * 4 else AXPY_KEYS
     # Blocks of four rows outer, keys inner: the first block reads V from
     # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
     # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
@@ -1111,24 +1133,21 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     # 7.0-7.1).
     for r in range(0, rows4, 4):
         block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
-        for j in range(0, n4, 4):
-            v0 = at + np.uint64(j) * ld
-            if prefetch and r == 0:
-                _prefetch_ahead(vb, v0 + ahead, 4 * d_v, size)
-            weights = (p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3],
-                       p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3],
-                       p[r + 2, j], p[r + 2, j + 1], p[r + 2, j + 2], p[r + 2, j + 3],
-                       p[r + 3, j], p[r + 3, j + 1], p[r + 3, j + 2], p[r + 3, j + 3])
-            _axpy(accf, block, weights, vb, (v0, v0 + ld, v0 + ld + ld, v0 + ld + ld + ld), d_v, code)
-    # Then one row at a time: the blocks' last keys (in the same order: rows
-    # are independent), other rows, or every row of a tile with a masked
-    # key.  (One call site: each inlined copy of _accumulate_row costs
-    # ~0.2 s of a cold call's compilation.)
-    for r in range(rows):
-        for j in range(n4 if r < rows4 else 0, n, 4):
-            if prefetch and r == 0 and rows4 == 0:
-                _prefetch_ahead(vb, at + np.uint64(j) * ld + ahead, 4 * d_v, size)
-            _accumulate_row(p, vb, at, ld, accf, d_v, r, j, n, code)
+        for j in range(0, n, run):
+            w = np.uint64(r * n + j)
+            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
+                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
+                  d_v, code)
+    for r in range(rows4, rows):
+        j = 0
+        while j < n:
+            stop = j + 1
+            if not _masked(p[r, j]):
+                while stop < min(j + run, n) and not _masked(p[r, stop]):
+                    stop += 1
+                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
+                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
+            j = stop
 
 
 @jit()
