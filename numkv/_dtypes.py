@@ -95,7 +95,8 @@ def is_attention_dtype(dtype):
 
 
 def is_float8_dtype(dtype):
-    return dtype in FLOAT8_TYPES
+    # The size first: comparing with ml_dtypes' dtypes costs ~40 ns each.
+    return dtype.itemsize == 1 and dtype in FLOAT8_TYPES
 
 
 def is_mask_dtype(dtype):
@@ -226,6 +227,7 @@ def kernel_dtype_codes(names):
     return {np.dtype(getattr(ml_dtypes, name, name)): code for code, name in enumerate(names)}
 
 
+@functools.cache
 def e8m0_table():
     """float8_e8m0fnu's 256 values (powers of two and NaN: no bit trick pays)."""
     return decode_table(np.dtype(ml_dtypes.float8_e8m0fnu))

@@ -1180,42 +1180,46 @@ def _exp_row_sum(s, r, n, m):
     return total
 
 
-@jit()
-def _row_sum(s, r, n):
-    """``sum(s[r, :n])`` in eight lanes added in a fixed order (eight running
-    sums, not one: a chain of float adds runs at a quarter of their rate): the
-    bits do not depend on ``n`` when the extra entries are zeros (a masked key
-    at the end of a tile changes nothing)."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = s.dtype.type(0.0)
-    j = 0
-    while j + 8 <= n:
-        a0 += s[r, j]
-        a1 += s[r, j + 1]
-        a2 += s[r, j + 2]
-        a3 += s[r, j + 3]
-        a4 += s[r, j + 4]
-        a5 += s[r, j + 5]
-        a6 += s[r, j + 6]
-        a7 += s[r, j + 7]
-        j += 8
-    # The tail goes to the lanes it would have had in a longer row, so a row
-    # padded with zeros (a masked key) sums in the same order.
-    tail = n - j
-    if tail > 0:
-        a0 += s[r, j]
-    if tail > 1:
-        a1 += s[r, j + 1]
-    if tail > 2:
-        a2 += s[r, j + 2]
-    if tail > 3:
-        a3 += s[r, j + 3]
-    if tail > 4:
-        a4 += s[r, j + 4]
-    if tail > 5:
-        a5 += s[r, j + 5]
-    if tail > 6:
-        a6 += s[r, j + 6]
-    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+@intrinsic
+def _row_sum(typingctx, flat, at, n):
+    """``sum(flat[at:at + n])`` in eight lanes added in a fixed order (lane
+    ``t`` sums the entries ``j = t mod 8`` one after another; then ``((l0 +
+    l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``): the bits do not depend on
+    ``n`` when the extra entries are zeros (a masked key at the end of a tile
+    changes nothing), and a chain of float adds does not run at a quarter
+    of their rate.  LLVM IR, eight lanes a vector add (LLVM kept eight
+    scalar sums scalar: 0.17 ns an entry)."""
+    if not (isinstance(flat, types.Array) and flat.ndim == 1 and isinstance(flat.dtype, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        real = context.get_value_type(sig.args[0].dtype)
+        i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, 8)
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        at, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:]))
+        row = builder.gep(ary.data, [at])
+
+        def add(j, lanes):
+            ptr = builder.bitcast(builder.gep(row, [j]), vec.as_pointer())
+            return [builder.fadd(lanes[0], builder.load(ptr, align=_BYTES[str(real)]))]
+
+        whole = builder.and_(n, ir.Constant(i64, -8))
+        lanes = _emit_loop(builder, ir.Constant(i64, 0), whole, 8, [_splat(vec, 0.0)], add)[0]
+        # The tail's entries to the lanes they would have had in a longer row (+0.0 to the others).
+        tail = builder.trunc(builder.sub(n, whole), i32)
+        lane_index = ir.Constant(ir.VectorType(i32, 8), list(range(8)))
+        mask = builder.icmp_unsigned("<", lane_index, _broadcast(builder, tail, 8))
+        load = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [vec.as_pointer(), i32, mask.type, vec]),
+            f"llvm.masked.load.v8{'f32' if real == ir.FloatType() else 'f64'}.p0")
+        ptr = builder.bitcast(builder.gep(row, [whole]), vec.as_pointer())
+        tail_lanes = builder.call(load, [ptr, ir.Constant(i32, _BYTES[str(real)]), mask, _splat(vec, 0.0)])
+        lanes = builder.fadd(lanes, tail_lanes)
+        lane = [builder.extract_element(lanes, ir.Constant(i32, t)) for t in range(8)]
+        pairs = [builder.fadd(lane[t], lane[t + 1]) for t in range(0, 8, 2)]
+        return builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+
+    return flat.dtype(flat, at, n), codegen
 
 
 @jit(contract=True)
@@ -1265,7 +1269,7 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
         else:
             for j in range(n):
                 s[r, j] = _exp(s[r, j] - m_new)
-            total = _row_sum(s, r, n)
+            total = _row_sum(flat, r * n, n)
         a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
         alpha[r] = a
         l[r] = l[r] * a + total
@@ -1413,8 +1417,14 @@ def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
         at = (desc[T_Y, BASE] + b * desc[T_Y, STRIDE_B] + (hk * group + g) * desc[T_Y, STRIDE_H]
               + (i0 + i) * desc[T_Y, STRIDE_S])
         inv = 0.0 if l[r] == 0.0 else 1.0 / l[r]
-        for d in range(ints[V_HEAD_SIZE]):
-            y[at + d * desc[T_Y, STRIDE_D]] = np.nan if bad[r] else acc[r, d] * inv
+        d_v, step = ints[V_HEAD_SIZE], desc[T_Y, STRIDE_D]
+        if step == 1:  # a loop LLVM vectorises (decode Hq=16 D=64: 0.27 us an item, strided)
+            row = y[at:at + d_v]
+            for d in range(d_v):
+                row[d] = np.nan if bad[r] else acc[r, d] * inv
+        else:
+            for d in range(d_v):
+                y[at + d * step] = np.nan if bad[r] else acc[r, d] * inv
 
 
 @jit()
