@@ -2,7 +2,7 @@
 
 The kernel widens float16, bfloat16 and the float8s with bit arithmetic (and
 F16C's conversion where the CPU has it; float8_e4m3fn in decode's passes of
-four rows by four keys by a byte table, where the CPU has AVX-512 VBMI); the
+four query rows by a byte table, where the CPU has AVX-512 VBMI); the
 decode tables built from
 ml_dtypes itself (``_dtypes.decode_table``) are the exact reference.  Every
 pattern must give the same float32 bits (any NaN for a NaN).

@@ -16,7 +16,7 @@ are read in place, and so are bfloat16, float16, float8_e4m3fn and
 float8_e5m2 rows in decode (``_kv_tile``), widened element by element as the
 loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
 no tile copy; the loop for each dtype is chosen at run time,
-``_per_format``; float8_e4m3fn, in passes of four rows by four keys, 64
+``_per_format``; float8_e4m3fn, in passes of four query rows, 64
 elements at a time by a byte table where the CPU has AVX-512 VBMI,
 ``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the
 rest from the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
@@ -29,8 +29,9 @@ their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
 single-thread size); few rows (decode) take loops that score four rows
-against four keys per pass (``_scores``, ``_dots``) and add four keys'
-values to four rows per pass (``_accumulate``).
+against four keys per pass (``_scores``, ``_dots``) and add a run of keys'
+values to four rows at a time, their accumulators held in registers over
+the run (``_accumulate``, ``_axpy``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
