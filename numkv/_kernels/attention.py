@@ -605,8 +605,10 @@ def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, cod
     element (a chain of FMAs, in key order); ``v_j`` is the row at element
     ``v_at + j * ld`` of the raw bytes ``v``, of dtype ``code``
     (``_per_format``).  ``R`` rows (1 or 4, ``acc_at`` and ``p_at``): each
-    loaded V vector feeds them all.  ``ahead`` (elements; 0: none): each
-    vector loaded asks for the one that far on (``_prefetch``).
+    loaded V vector feeds them all.  ``ahead`` (elements): each vector
+    loaded asks for the one that far on (``_prefetch``; 0: itself, at hand
+    already -- a branch around the request made LLVM compile every loop
+    twice, and measured no faster).
 
     LLVM IR.  ``D`` is taken in runs of four vectors, then of one, then of
     one element; in each run the rows' accumulators are loaded once, take
@@ -627,7 +629,6 @@ def _emit_axpy(context, builder, sig, args):
     p_arr = context.make_array(p_ty)(context, builder, args[2])
     v_arr = context.make_array(v_ty)(context, builder, args[4])
     v_at, ld, ahead, keys, length = (context.cast(builder, args[i], sig.args[i], types.int64) for i in range(5, 10))
-    prefetching = builder.icmp_signed("!=", ahead, ir.Constant(ir.IntType(64), 0))
     real = context.get_value_type(acc_ty.dtype)
     n_rows = acc_at_ty.count
     acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(n_rows)]
@@ -649,10 +650,9 @@ def _emit_axpy(context, builder, sig, args):
                 def key(j, accs):
                     row = builder.gep(first, [builder.add(builder.mul(j, ld), d0)])
                     if width > 1:
-                        with builder.if_then(prefetching, likely=True):
-                            for c in range(parts):
-                                at = builder.add(ahead, ir.Constant(i64, c * width))
-                                _emit_prefetch(builder, builder.gep(row, [at]))
+                        for c in range(parts):
+                            at = builder.add(ahead, ir.Constant(i64, c * width))
+                            _emit_prefetch(builder, builder.gep(row, [at]))
                     if block:
                         bytes64 = _load(builder, row, ir.Constant(i64, 0), E4M3FN_BLOCK, None)
                         vs = _widen_e4m3fn_block(builder, bytes64)
