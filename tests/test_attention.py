@@ -684,6 +684,69 @@ def test_bad_arguments(kwargs, exc, match):
         numkv.onnx.attention(Q, K, V, *args, **kwargs)
 
 
+# -- kept plans: a call repeated with the same shapes skips the checks and the set-up
+
+
+def _random_qkv(rng, q_shape, kv_shape, q_dtype=np.float32, kv_dtype=np.float32):
+    return (rng.standard_normal(q_shape).astype(q_dtype), rng.standard_normal(kv_shape).astype(kv_dtype),
+            rng.standard_normal(kv_shape).astype(kv_dtype))
+
+
+KEPT_PLAN_CALLS = [
+    ("gqa-decode", ((1, 8, 1, 16), (1, 2, 40, 16)), {}, {}),
+    ("3d-causal", ((2, 3, 8 * 16), (2, 50, 2 * 16)), {}, dict(q_num_heads=8, kv_num_heads=2, is_causal=True)),
+    ("scale-softcap-window", ((1, 4, 5, 8), (1, 4, 300, 8)), {}, dict(scale=0.3, softcap=2.0, left_window_size=7)),
+    ("float16", ((1, 4, 3, 8), (1, 2, 70, 8)), dict(q_dtype=F16, kv_dtype=F16), {}),
+    ("bfloat16-cache", ((1, 8, 1, 64), (1, 2, 200, 64)), dict(kv_dtype=BF16), {}),
+    ("float64-accumulation", ((1, 4, 2, 8), (1, 4, 30, 8)), {}, dict(softmax_precision=11)),
+    ("split-keys-threads", ((1, 8, 1, 64), (1, 2, 20000, 64)), {}, {}),  # chunks merged, on every thread
+]
+
+
+@pytest.mark.parametrize("shapes, dtypes, kwargs", [pytest.param(*c[1:], id=c[0]) for c in KEPT_PLAN_CALLS])
+def test_a_repeated_call_takes_its_kept_plan_and_the_same_bits(shapes, dtypes, kwargs, rng, monkeypatch):
+    """The second call with the same shapes, dtypes and attributes (new
+    values) must not go through ``prepare`` -- its plan is kept -- and must
+    give the bits of a call that does."""
+    numkv.attention(*_random_qkv(rng, *shapes, **dtypes), **kwargs)
+    q, k, v = _random_qkv(rng, *shapes, **dtypes)
+    want = _attention.run(_attention.prepare(q, k, v, **kwargs))
+
+    def no_prepare(*args, **kw):
+        raise AssertionError("prepare ran: no plan was kept")
+
+    monkeypatch.setattr(_attention, "prepare", no_prepare)
+    got = numkv.attention(q, k, v, **kwargs)
+    assert same_bits(got, want)
+
+
+def test_a_kept_plan_skips_no_check():
+    """Attributes equal to a kept plan's but of another type (``True == 1 ==
+    1.0``) are checked anew, and inputs that are not C-contiguous writeable
+    ndarrays never take a plan."""
+    numkv.attention(Q, K, V, scale=1.0)
+    with pytest.raises(TypeError, match="scale"):
+        numkv.attention(Q, K, V, scale=True)
+    numkv.attention(Q3, K3, V3, q_num_heads=4, kv_num_heads=2)
+    with pytest.raises(TypeError, match="q_num_heads"):
+        numkv.attention(Q3, K3, V3, q_num_heads=4.0, kv_num_heads=2)
+    read_only = Q.copy()
+    read_only.flags.writeable = False
+    assert _attention._signature(read_only, K, V, ()) is None
+    assert _attention._signature(Q[:, :, ::-1], K, V, ()) is None
+    assert _attention._signature(Q.tolist(), K, V, ()) is None
+    unhashable = np.array(0.5)  # a scale NumPy holds: accepted, never kept
+    assert same_bits(numkv.attention(Q, K, V, scale=unhashable), numkv.attention(Q, K, V, scale=0.5))
+
+
+def test_kept_plans_are_bounded(rng):
+    q = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+    for length in range(1, _attention.PLANS_KEPT + 10):
+        kv = np.ones((1, 2, length, 4), np.float32)
+        numkv.attention(q, kv, kv)
+    assert len(_attention._plans) <= _attention.PLANS_KEPT
+
+
 @pytest.mark.parametrize("qkv, kwargs, exc, match", [pytest.param(*b[1:], id=b[0]) for b in BAD_QKV])
 def test_bad_qkv(qkv, kwargs, exc, match):
     with pytest.raises(exc, match=match):
