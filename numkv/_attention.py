@@ -8,13 +8,12 @@ kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _blas_threads, _config, _threads
-from ._dtypes import (_NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
+from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
 from ._validate import as_array, as_float, as_int, as_int64, index_vector
 
@@ -118,8 +117,7 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None,
                                    softmax_precision, left_window_size, right_window_size))
         plan = _plans.get(key) if key is not None else None
         if plan is not None:  # the same shapes, dtypes and attributes as a call before
-            return plan.run([Q.reshape(-1).view(np.uint8), _NO_BYTES, K.reshape(-1).view(np.uint8),
-                             _NO_BYTES, V.reshape(-1).view(np.uint8)])
+            return plan.run_qkv(Q, K, V)
     call = prepare(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
                    scale=scale, is_causal=is_causal, q_num_heads=q_num_heads,
                    kv_num_heads=kv_num_heads, softcap=softcap,
@@ -132,19 +130,22 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None,
     return run(call, key=key)
 
 
-# A decode loop calls attention with the same shapes, dtypes and attributes
-# again and again.  What the wrapper derives from them alone -- the checks
-# passed, the tile sizes, the kernel's layout arrays -- is kept per such
-# signature (``_Plan``), so that a repeat call only views its buffers and
-# runs the kernel: Hq=16 Hkv=4 D=64 Skv=1088, one thread, 0.8x the time
-# (~20 of ~30 us of Python set-up saved).  Only calls with no mask, past or
-# ``nonpad_kv_seqlen``, whose Q, K and V are C-contiguous writeable ndarrays,
-# take it.  Whatever else ``run`` reads is part of the signature too (the
-# thread policy below, the BLAS in use and its threads), so a test that
-# changes them gets a new plan.
+# Calls with the same shapes, dtypes and attributes repeat: the layers of a
+# model within one decode step (a new step brings a longer K, a new
+# signature), a benchmark's loop.  What the wrapper derives from those alone
+# -- the checks passed, the tile sizes, the kernel's layout arrays -- is kept
+# per signature (``_Plan``), so that a repeat call only views its buffers
+# and runs the kernel: ~10 us of Python at one key against ~30, Hq=16 Hkv=4
+# D=64 Skv=1088 on one thread 0.8x the time.  Only calls with no mask, past
+# or ``nonpad_kv_seqlen`` (whose values change from call to call) and
+# aligned, C-contiguous, writeable ndarrays as Q, K and V take it.  What
+# else ``run`` reads that may change at run time is part of the signature
+# too: the thread policy above and the BLAS in use (tests change them); the
+# tile constants are fixed (tests pass tile sizes to ``run`` instead).
 PLANS_KEPT = 64
 _plans = {}
-_plans_lock = threading.Lock()
+# Attribute types a signature may hold: immutable, hashed by value.
+_PLAIN = frozenset([type(None), bool, int, float, np.bool_, np.int32, np.int64, np.float32, np.float64])
 
 
 def _signature(Q, K, V, attributes):
@@ -155,21 +156,25 @@ def _signature(Q, K, V, attributes):
         if type(x) is not np.ndarray:
             return None
         flags = x.flags
-        if not (flags.c_contiguous and flags.writeable):
+        if not (flags.c_contiguous and flags.writeable and flags.aligned):
             return None
-    try:
-        hash(attributes)
-    except TypeError:  # a 0-d array as the scale, say: checked and run, not kept
+    types_ = tuple(map(type, attributes))
+    if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
-    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, tuple(map(type, attributes)),
-            SINGLE_THREAD_MACS, CLAIM_ITEMS, _blas_threads.single_threaded(), _blas_threads.gemm_function(4))
+    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_,
+            SINGLE_THREAD_MACS, CLAIM_ITEMS, (_blas_threads.single_threaded(), _blas_threads.gemm_function(4)))
 
 
 def _keep(key, plan):
-    with _plans_lock:
-        if len(_plans) >= PLANS_KEPT:
-            del _plans[next(iter(_plans))]  # the oldest
-        _plans[key] = plan
+    """Keep ``plan``, dropping the oldest beyond ``PLANS_KEPT``.  No lock
+    (a fork could inherit it held): each dict operation is atomic, and a
+    race only drops a plan too many or too few."""
+    _plans[key] = plan
+    while len(_plans) > PLANS_KEPT:
+        try:
+            del _plans[next(iter(_plans))]
+        except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+            break
 
 
 @dataclass(slots=True)
@@ -235,8 +240,9 @@ def _to_float16(y):
 
 def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=None):
     """Run the kernel on a prepared call, and keep its plan under ``key``
-    (see ``_plans``).  Tests may force the tile sizes, the key chunk, and the
-    rows from which products go to BLAS."""
+    (see ``_plans``; the BLAS state it was made with is the key's).  Tests
+    may force the tile sizes, the key chunk, and the rows from which
+    products go to BLAS."""
     y, y4 = call.new_output()
     if y.size == 0:
         return call.finish(y)
@@ -245,7 +251,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
     group = hq // hkv
     blas_rows = BLAS_MIN_ROWS if blas_rows is None else blas_rows
-    unsplit = group * sq >= blas_rows and _blas_threads.single_threaded()
+    # A key ends with the BLAS state it was made under: read once, for both.
+    unsplit = group * sq >= blas_rows and (_blas_threads.single_threaded() if key is None else key[-1][0])
     auto_q, auto_k = _tiles(b * hkv, group, sq, blas_rows, unsplit)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
@@ -276,10 +283,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    inputs, desc = [], []
+    inputs, desc, bases = [], [], []
     for arr in (call.q, call.past_k, call.k, call.past_v, call.v):
         flat, base, strides = byte_operand(arr)
         inputs.append(flat)
+        bases.append(base)
         desc += (base, *strides, codes[arr.dtype])
     size = call.acc_dtype.itemsize
     if call.mask is None:
@@ -300,8 +308,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         small=small, claimed=CLAIM_ITEMS and not small,
         merge_small=small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
-    fields = len(kernels.TENSOR_FIELDS)
-    if key is not None and not any(desc[kernels.BASE:5 * fields:fields]):
+    if key is not None and not any(bases):
         _keep(key, plan)
     return plan.run(inputs[:5], inputs[5], y)
 
@@ -327,9 +334,16 @@ class _Plan:
     claimed: bool
     merge_small: bool
 
+    def run_qkv(self, Q, K, V):
+        """Y for the aligned, C-contiguous Q, K and V of a call with no past
+        and no mask."""
+        return self.run([Q.reshape(-1).view(np.uint8), NO_BYTES, K.reshape(-1).view(np.uint8), NO_BYTES,
+                         V.reshape(-1).view(np.uint8)])
+
     def run(self, inputs, mask=None, y=None):
         """Y for the raw bytes of Q, the past K, K, the past V and V
-        (``inputs``), and the mask's flat buffer (None: no mask)."""
+        (``inputs``, in ``TENSORS`` order), and the mask's flat buffer (None:
+        no mask); into ``y`` where given (of ``y_shape``)."""
         kernels = _attention_kernels()
         size = self.acc_dtype.itemsize
         if y is None:

@@ -27,6 +27,15 @@ def rng():
     return np.random.default_rng(20261121)
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_plans():
+    """Every test starts with no kept attention plans (``_attention._plans``):
+    one a test leaves could hide what the next one changes."""
+    from numkv import _attention
+
+    _attention._plans.clear()
+
+
 def random_bits(rng, shape, dtype):
     """Random values of any dtype, built from random bits (NaN payloads, -0.0
     and every other pattern included) or random strings."""

@@ -737,6 +737,21 @@ def test_a_kept_plan_skips_no_check():
     assert _attention._signature(Q.tolist(), K, V, ()) is None
     unhashable = np.array(0.5)  # a scale NumPy holds: accepted, never kept
     assert same_bits(numkv.attention(Q, K, V, scale=unhashable), numkv.attention(Q, K, V, scale=0.5))
+    assert _attention._signature(Q, K, V, (unhashable,)) is None
+
+
+def test_a_misaligned_call_keeps_no_plan_that_misleads_an_aligned_one(rng):
+    """A misaligned 3-D Q is copied to be read; a plan made from that copy's
+    layout must not serve the aligned call after it."""
+    q = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 5, 8)).astype(np.float32)
+    raw = np.zeros(q.nbytes + 1, np.uint8)
+    misaligned = raw[1:].view(np.float32).reshape(q.shape)
+    misaligned[...] = q
+    kwargs = dict(q_num_heads=2, kv_num_heads=2)
+    assert same_bits(numkv.attention(misaligned, k, k, **kwargs), numkv.attention(q, k, k, **kwargs))
+    q2 = rng.standard_normal(q.shape).astype(np.float32)
+    assert same_bits(numkv.attention(q2, k, k, **kwargs), _attention.run(_attention.prepare(q2, k, k, **kwargs)))
 
 
 def test_kept_plans_are_bounded(rng):

@@ -1190,7 +1190,8 @@ def _row_sum(typingctx, flat, at, n):
     changes nothing), and a chain of float adds does not run at a quarter
     of their rate.  LLVM IR, eight lanes a vector add (LLVM kept eight
     scalar sums scalar: 0.17 ns an entry)."""
-    if not (isinstance(flat, types.Array) and flat.ndim == 1 and isinstance(flat.dtype, types.Float)):
+    if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"
+            and isinstance(flat.dtype, types.Float) and isinstance(at, types.Integer) and isinstance(n, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
