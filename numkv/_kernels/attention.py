@@ -541,6 +541,9 @@ def _view(typingctx, buf, dtype):
 
 # Bytes a vector of ``_dots`` holds: one AVX-512 register (two AVX2 ones).
 VECTOR_BYTES = 64
+# Vectors of D a run of ``_axpy`` takes per row: four rows' 16 accumulators
+# fill half the registers; in float32, 64 elements (``E4M3FN_BLOCK``).
+AXPY_RUN_VECTORS = 4
 
 
 @intrinsic
@@ -610,8 +613,8 @@ def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, cod
     already -- a branch around the request made LLVM compile every loop
     twice, and measured no faster).
 
-    LLVM IR.  ``D`` is taken in runs of four vectors, then of one, then of
-    one element; in each run the rows' accumulators are loaded once, take
+    LLVM IR.  ``D`` is taken in runs of ``AXPY_RUN_VECTORS`` vectors, then
+    of one, then of one element; in each run the rows' accumulators are loaded once, take
     every key's FMAs in registers, and are stored once (``AXPY_KEYS``).
     Each element takes the same chain whichever run holds it.  One compiled
     loop per format, chosen at run time, in every kernel: a narrow cache
@@ -673,9 +676,10 @@ def _emit_axpy(context, builder, sig, args):
 
         whole, start = _whole_vectors(builder, length, lanes, narrow), ir.Constant(i64, 0)
         if not isinstance(whole, ir.Constant):
-            start = builder.and_(length, ir.Constant(i64, -4 * lanes))
+            start = builder.and_(length, ir.Constant(i64, -AXPY_RUN_VECTORS * lanes))
             blocks = _blocks(narrow, real, n_rows)
-            _emit_loop(builder, ir.Constant(i64, 0), start, 4 * lanes, [], run(lanes, 4, blocks))
+            _emit_loop(builder, ir.Constant(i64, 0), start, AXPY_RUN_VECTORS * lanes, [],
+                       run(lanes, AXPY_RUN_VECTORS, blocks))
             _emit_loop(builder, start, whole, lanes, [], run(lanes, 1, False))
         _emit_loop(builder, whole, length, 1, [], run(1, 1, False))
         return []
@@ -1126,7 +1130,7 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
     ahead = np.uint64(PREFETCH_KEYS) * ld
     rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
-    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > VECTOR_BYTES * 4 else AXPY_KEYS
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
     # Blocks of four rows outer, keys inner: the first block reads V from
     # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
     # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
