@@ -6,12 +6,11 @@ Importing numkv compiles nothing and does not import numba or onnx: kernels
 compile on their first call.
 """
 
-__version__ = "0.1.0"
-
-from . import _threadpool  # noqa: F401 - threadpoolctl's threadpool_limits() caps numkv too
+from ._runtime import threadpoolctl_hook  # noqa: F401 - threadpoolctl's threadpool_limits() caps numkv too
 from ._attention import attention
 from ._scatter import tensor_scatter
-from ._thread_limits import get_num_threads, set_num_threads
+from ._version import __version__
+from ._runtime.thread_count import get_num_threads, set_num_threads
 from .cache import DynamicKVCache, StaticKVCache
 from .layers import CachedSelfAttention
 

@@ -1,50 +1,8 @@
-"""The numkv command line: ``python -m numkv COMMAND`` or ``numkv COMMAND``.
+"""``python -m numkv`` and the ``numkv`` script: the command line lives in ``numkv._cli``."""
 
-  info     versions, BLAS, threads and threading, kernel cache (the default)
-  demo     greedy decoding with and without KV caches: agreement and tokens/s
-  bench    numkv's speed beside onnx.reference and the installed peers
-  warmup   compile every kernel into numba's disk cache ahead of time
-
-Each command takes --help.  Uses the public API (and, for info and warmup,
-numba's own view of numkv's kernels).
-"""
-
-import argparse
-import os
 import sys
 
-import numkv
-
-
-def _prog():
-    """What the user typed: the ``numkv`` script, or ``python -m numkv``."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "numkv" if name in ("numkv", "numkv.exe") else "python -m numkv"
-
-
-def build_parser(prog=None):
-    from numkv import _cli_bench, _cli_demo, _cli_info, _cli_warmup
-
-    parser = argparse.ArgumentParser(
-        prog=prog or _prog(),
-        description="The numkv command line: python -m numkv COMMAND, or numkv COMMAND.",
-        epilog="Without a command: info.  `COMMAND --help` describes each.")
-    parser.add_argument("--version", action="version", version=f"numkv {numkv.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _cli_info.add_parser(sub)
-    _cli_demo.add_parser(sub)
-    _cli_bench.add_parser(sub)
-    _cli_warmup.add_parser(sub)
-    return parser
-
-
-def main(argv=None):
-    from numkv import _cli_info
-
-    args = build_parser().parse_args(argv)
-    getattr(args, "run", _cli_info.run)(args)
-    return 0
-
+from numkv._cli import build_parser, main  # noqa: F401 - the script's entry point, and tests'
 
 if __name__ == "__main__":
     sys.exit(main())

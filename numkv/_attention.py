@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _blas_threads, _config, _threads
+from . import _config
+from ._runtime import blas, pool
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
 from ._validate import as_array, as_float, as_int, as_int64, index_vector
@@ -26,7 +27,7 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #
 # * Prefill: with at least ``BLAS_MIN_ROWS`` rows, the two products of a tile
 #   are BLAS gemm calls.  Where that BLAS runs on one thread (numkv's own
-#   OpenBLAS does, ``_blas_threads``), whole: 512 rows x 256 keys measured
+#   OpenBLAS does, ``_runtime.blas``), whole: 512 rows x 256 keys measured
 #   best of 128-512 x 128-512 (Hq=32, Hkv=8, D=128, 2 threads: causal
 #   S=2048 338 ms, full S=1024 143 ms, against 499 and 218 ms with the split
 #   products below; a later sweep of full S=1024 found 128-512 rows x
@@ -162,7 +163,7 @@ def _signature(Q, K, V, attributes):
     if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
     return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_,
-            SINGLE_THREAD_MACS, CLAIM_ITEMS, (_blas_threads.single_threaded(), _blas_threads.gemm_function(4)))
+            SINGLE_THREAD_MACS, CLAIM_ITEMS, (blas.single_threaded(), blas.gemm_function(4)))
 
 
 def _keep(key, plan):
@@ -233,7 +234,7 @@ def _to_float16(y):
     if not narrow.has_f16c():
         return y.astype(np.float16)
     out = np.empty(y.shape, np.float16)
-    _threads.run(narrow.to_float16, -(-y.size // narrow.CHUNK),
+    pool.run(narrow.to_float16, -(-y.size // narrow.CHUNK),
                  (y.reshape(-1), out.view(np.uint16).reshape(-1)), y.size < 4 * narrow.CHUNK)
     return out
 
@@ -252,7 +253,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     group = hq // hkv
     blas_rows = BLAS_MIN_ROWS if blas_rows is None else blas_rows
     # A key ends with the BLAS state it was made under: read once, for both.
-    unsplit = group * sq >= blas_rows and (_blas_threads.single_threaded() if key is None else key[-1][0])
+    unsplit = group * sq >= blas_rows and (blas.single_threaded() if key is None else key[-1][0])
     auto_q, auto_k = _tiles(b * hkv, group, sq, blas_rows, unsplit)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
@@ -278,7 +279,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
                    blas_rows=blas_rows,
                    gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT,  # unsplit: no limit
-                   gemm_fn=_blas_threads.gemm_function(call.acc_dtype.itemsize))
+                   gemm_fn=blas.gemm_function(call.acc_dtype.itemsize))
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
@@ -358,12 +359,12 @@ class _Plan:
             part_l = part_m
         counter = np.zeros(1, np.int64) if self.claimed else _NO_COUNTER
         flat_y = y.reshape(-1)
-        _threads.run(kernels.attention_items, self.n_items * self.n_chunks, (
+        pool.run(kernels.attention_items, self.n_items * self.n_chunks, (
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter),
             self.small, self.claimed)
         if self.n_chunks > 1:  # merge the chunks' partial softmaxes
-            _threads.run(kernels.attention_merge, self.n_items,
+            pool.run(kernels.attention_merge, self.n_items,
                          (flat_y, self.ints, self.desc, part_m, part_l, part_acc), self.merge_small)
         return _finish(y, self.out_dtype)
 

@@ -50,12 +50,3 @@ def jit(reassociate=False, contract=False, inline=False):
 # Tests set this to route every op through its plain NumPy reference path.
 REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
 
-
-def runtime_info():
-    """``(numba version, threads, threading)``: numkv runs its kernels on its
-    own thread pool, never numba's threading layer."""
-    import numba
-
-    from . import _thread_limits
-
-    return numba.__version__, _thread_limits.get_num_threads(), "numkv pool (numba nogil kernels)"

@@ -8,7 +8,8 @@ tests can force with ``_config.REFERENCE``.
 
 import numpy as np
 
-from . import _config, _threads
+from . import _config
+from ._runtime import pool
 from ._dtypes import ALIGNED_UNITS, flat_units, is_object_dtype, is_scatter_dtype, unit_size
 from ._validate import as_array, as_int, as_output, index_vector, normalize_axis, output_array
 
@@ -131,7 +132,7 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
             plan, starts, circular)
     # Small copies stay on the calling thread (cheaper than handing out shares).
-    _threads.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
+    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
     return result
 
 

@@ -15,7 +15,8 @@ import pytest
 
 import numkv
 import oracle
-from numkv import _attention, _thread_limits
+from numkv import _attention
+from numkv._runtime import thread_count
 
 B, HQ, HKV, D = 1, 4, 2, 16
 
@@ -155,7 +156,7 @@ def test_nan_with_split_keys_on_several_threads(rng, monkeypatch):
     monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", 0)
     results = []
     for threads in (1, 3):
-        monkeypatch.setattr(_thread_limits, "get_num_threads", lambda n=threads: n)
+        monkeypatch.setattr(thread_count, "get_num_threads", lambda n=threads: n)
         results.append(numkv.attention(q, k, v))
     assert np.isnan(results[0]).all()
     assert np.array_equal(results[0], results[1], equal_nan=True)

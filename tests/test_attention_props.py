@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import numkv
-from numkv import _attention, _thread_limits, _threads
+from numkv import _attention
+from numkv._runtime import pool, thread_count
 from numkv._reference import attention_reference
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -148,7 +149,7 @@ def run_on_threads(call, threads, claim=False, **kwargs):
     Items go in equal contiguous shares to the threads (so each thread really
     computes some), or, ``claim``, one at a time to whichever asks first."""
     shares = []
-    run = _threads.run
+    run = pool.run
 
     def spy(kernel, n_items, args, small=False, claimed=False):
         assert claimed == (claim and kernel.__name__ == "attention_items")
@@ -158,8 +159,8 @@ def run_on_threads(call, threads, claim=False, **kwargs):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_attention, "SINGLE_THREAD_MACS", 0)
         mp.setattr(_attention, "CLAIM_ITEMS", claim)
-        mp.setattr(_thread_limits, "get_num_threads", lambda: threads)
-        mp.setattr(_threads, "run", spy)
+        mp.setattr(thread_count, "get_num_threads", lambda: threads)
+        mp.setattr(pool, "run", spy)
         y = _attention.run(call, **kwargs)
     return y, max(shares)
 
@@ -232,8 +233,8 @@ def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     call = _attention.prepare(q, k, v)
     macs = 4 * 3000 * 32
-    kernels, run = [], _threads.run
-    monkeypatch.setattr(_threads, "run", lambda kernel, *a: kernels.append(kernel.__name__) or run(kernel, *a))
+    kernels, run = [], pool.run
+    monkeypatch.setattr(pool, "run", lambda kernel, *a: kernels.append(kernel.__name__) or run(kernel, *a))
     for threshold, merged in ((macs + 1, False), (macs, True)):
         kernels.clear()
         monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", threshold)

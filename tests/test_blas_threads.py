@@ -1,4 +1,4 @@
-"""Prefill's products and the BLAS they call (``numkv._blas_threads``).
+"""Prefill's products and the BLAS they call (``numkv._runtime.blas``).
 
 numkv never changes another library's thread count (API.md): it loads its own
 OpenBLAS (``scipy-openblas32``) privately on one thread and calls it on whole
@@ -19,7 +19,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import numkv
 import oracle
-from numkv import _attention, _blas_threads, _threads
+from numkv import _attention
+from numkv._runtime import blas as numkv_blas, pool
 from numkv._kernels.attention import INT_FIELDS
 from test_attention import tolerance
 
@@ -39,7 +40,7 @@ def blas_counts():
 def gemm_limits(monkeypatch, functions=None):
     """The ``gemm_limit`` of every attention kernel run (huge: whole tiles),
     and into ``functions`` its ``gemm_fn``."""
-    seen, run = [], _threads.run
+    seen, run = [], pool.run
 
     def watching(kernel, n_items, args, small=False, claimed=False):
         if kernel.__name__ == "attention_items":
@@ -49,7 +50,7 @@ def gemm_limits(monkeypatch, functions=None):
                 functions.append(int(ints[INT_FIELDS.index("gemm_fn")]))
         return run(kernel, n_items, args, small, claimed)
 
-    monkeypatch.setattr(_threads, "run", watching)
+    monkeypatch.setattr(pool, "run", watching)
     return seen
 
 
@@ -58,10 +59,10 @@ def gemm_limits(monkeypatch, functions=None):
 @pytest.mark.parametrize("blas", [1, 2])
 def test_prefill_products_follow_the_blas_thread_count(monkeypatch, causal, blas, own):
     if not own:
-        monkeypatch.setattr(_blas_threads, "OWN", None)
+        monkeypatch.setattr(numkv_blas, "OWN", None)
     q, k, v = prefill()
     with threadpool_limits(limits=blas, user_api="blas"):
-        assert _blas_threads.single_threaded() == (blas == 1)
+        assert numkv_blas.single_threaded() == (blas == 1)
         limits = gemm_limits(monkeypatch)
         y = numkv.attention(q, k, v, is_causal=causal)
         # whole tiles on one BLAS thread, else products within OpenBLAS' single-thread size
@@ -74,12 +75,12 @@ def test_prefill_products_follow_the_blas_thread_count(monkeypatch, causal, blas
 
 
 def test_a_blas_that_is_not_openblas_counts_as_multithreaded(monkeypatch):
-    monkeypatch.setattr(_blas_threads, "OWN", None)
-    monkeypatch.setattr(_blas_threads, "_getters", [None])
+    monkeypatch.setattr(numkv_blas, "OWN", None)
+    monkeypatch.setattr(numkv_blas, "_getters", [None])
     with threadpool_limits(limits=1, user_api="blas"):
-        assert not _blas_threads.single_threaded()
-    monkeypatch.setattr(_blas_threads, "_getters", [])
-    assert not _blas_threads.single_threaded()
+        assert not numkv_blas.single_threaded()
+    monkeypatch.setattr(numkv_blas, "_getters", [])
+    assert not numkv_blas.single_threaded()
 
 
 def test_concurrent_prefills_leave_blas_alone():
@@ -106,9 +107,9 @@ def test_concurrent_prefills_leave_blas_alone():
 
 
 def test_numkvs_own_blas_is_private_and_on_one_thread(monkeypatch):
-    own = _blas_threads.OWN
+    own = numkv_blas.OWN
     assert own is not None, "scipy-openblas32, a dependency, did not load"
-    assert own.get_num_threads() == 1 and _blas_threads.single_threaded()
+    assert own.get_num_threads() == 1 and numkv_blas.single_threaded()
     libraries = {lib["filepath"]: lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
     assert libraries[own.path] == 1
     # RTLD_LOCAL: no other library's calls can bind to it (SciPy's BLAS has the same names)
@@ -119,19 +120,19 @@ def test_numkvs_own_blas_is_private_and_on_one_thread(monkeypatch):
     numkv.attention(q, k, v)
     numkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
     assert functions == [own.sgemm, own.dgemm]
-    monkeypatch.setattr(_blas_threads, "OWN", None)
-    assert _blas_threads.gemm_function(4) == 0  # the kernel then calls SciPy's BLAS through numba
+    monkeypatch.setattr(numkv_blas, "OWN", None)
+    assert numkv_blas.gemm_function(4) == 0  # the kernel then calls SciPy's BLAS through numba
 
 
 def test_a_library_loaded_already_is_not_numkvs():
     scipy_blas = [lib["filepath"] for lib in threadpool_info()
                   if lib["user_api"] == "blas" and "/scipy.libs/" in lib["filepath"]]
-    for path in scipy_blas + [_blas_threads.OWN.path, None]:
-        assert _blas_threads._load_own(path) is None
+    for path in scipy_blas + [numkv_blas.OWN.path, None]:
+        assert numkv_blas._load_own(path) is None
 
 
 def test_own_blas_starts_on_one_thread_whatever_the_environment():
-    code = ("import os, numkv; from numkv import _blas_threads as b; "
+    code = ("import os, numkv; from numkv._runtime import blas as b; "
             "print(b.OWN.get_num_threads(), os.environ['OPENBLAS_NUM_THREADS'], "
             "len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else 0)")
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "3"}

@@ -90,7 +90,7 @@ def test_no_command_means_info(capsys):
 
 
 def test_info_reports_the_cache_directory_numba_uses(capsys):
-    from numkv._cli_info import cache_location
+    from numkv._cli.info import cache_location
 
     path, note = cache_location()
     assert path is not None and os.path.isdir(path), note
@@ -118,14 +118,6 @@ def test_info_says_numba_ignores_a_cache_directory_it_cannot_write(tmp_path):
     assert f"NUMBA_CACHE_DIR={blocked} is not writable by this user, so numba ignores it" in out
 
 
-def test_importing_numkv_imports_no_numba_nor_the_cli():
-    code = ("import sys, numkv; bad = [m for m in ('numba', 'onnx', 'matplotlib', 'numkv.__main__', "
-            "'numkv._cli_warmup', 'numkv._compile_notice') if m in sys.modules]; print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT).stdout
-    assert out.strip() == "[]"
-
-
 # -- the first-compile notice -----------------------------------------------------
 
 def _jitted(module):
@@ -140,7 +132,7 @@ def _jitted(module):
 def test_compile_notice_speaks_before_compiling_and_only_then():
     import io
 
-    from numkv._compile_notice import compile_notice
+    from numkv._cli.compile_notice import compile_notice
 
     kernel = _jitted("numkv._fake_kernels")
     stream = io.StringIO()
@@ -162,7 +154,7 @@ def test_compile_notice_speaks_before_compiling_and_only_then():
 def test_compile_notice_ignores_other_packages_kernels():
     import io
 
-    from numkv._compile_notice import compile_notice
+    from numkv._cli.compile_notice import compile_notice
 
     stream = io.StringIO()
     with compile_notice("x", stream=stream) as watch:
@@ -173,7 +165,7 @@ def test_compile_notice_ignores_other_packages_kernels():
 def test_compile_notice_ends_its_line_when_the_call_fails():
     import io
 
-    from numkv._compile_notice import compile_notice
+    from numkv._cli.compile_notice import compile_notice
 
     stream = io.StringIO()
     kernel = _jitted("numkv._fake_kernels")

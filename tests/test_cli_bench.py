@@ -1,14 +1,14 @@
 """``python -m numkv bench``: timing, work formulas, peers, report, options and the
 plot, on tiny shapes and monkeypatched case lists (the real bench takes minutes)."""
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import numkv
-from numkv import _bench_cases, _bench_limits, _cli_bench
+from numkv._cli import bench_cases, bench_limits
+from numkv._cli import timing as bench_timing
 from numkv.__main__ import main
 
 
@@ -16,11 +16,11 @@ from numkv.__main__ import main
 def no_settling(monkeypatch):
     """The real bench pauses between implementations (peers' threads spin
     down) and takes long samples; the tiny cases here need neither."""
-    monkeypatch.setattr(_cli_bench, "SETTLE", 0.0)
-    monkeypatch.setattr(_cli_bench, "MIN_SAMPLE", 0.02)
-from numkv._bench_cases import Case, Impl, Workload
+    monkeypatch.setattr(bench_timing, "SETTLE", 0.0)
+    monkeypatch.setattr(bench_timing, "MIN_SAMPLE", 0.02)
+from numkv._cli.bench_cases import Case, Impl, Workload
 
-TINY_LIMITS = _bench_limits.MachineLimits(gemm_flops=1e10, read_bytes=1e10, gemm_n=64, read_nbytes=1 << 20)
+TINY_LIMITS = bench_limits.MachineLimits(gemm_flops=1e10, read_bytes=1e10, gemm_n=64, read_nbytes=1 << 20)
 
 
 def tiny_prefill(dtype="float32"):
@@ -37,7 +37,7 @@ def tiny_decode(kv_dtype="float32", nonpad=None):
 def test_measure_takes_the_samples_in_turn():
     calls = []
     fns = [lambda: calls.append("a"), lambda: calls.append("b")]
-    times = _cli_bench.measure(fns, repeats=4, min_sample=0.0, budget=10.0)
+    times = bench_timing.measure(fns, repeats=4, min_sample=0.0, budget=10.0)
     assert len(times) == 2 and all(t > 0 for t in times)
     timed = calls[4:]  # after each fn's warm-up call and its one-call sizing sample
     assert timed == ["a", "b"] * 4
@@ -51,11 +51,11 @@ def test_measure_gives_a_slow_fn_fewer_samples_but_the_minimum():
         _spin(0.004)
 
     fns = [lambda: calls.__setitem__("fast", calls["fast"] + 1), slow]
-    _cli_bench.measure(fns, repeats=20, min_sample=0.0, budget=0.01)
+    bench_timing.measure(fns, repeats=20, min_sample=0.0, budget=0.01)
     assert calls["slow"] == 2 + 3  # warm-up, sizing, three samples
     assert calls["fast"] > calls["slow"]
     calls["slow"] = 0
-    _cli_bench.measure([slow], repeats=20, min_sample=0.0, budget=0.01, min_samples=5, warm_up=False)
+    bench_timing.measure([slow], repeats=20, min_sample=0.0, budget=0.01, min_samples=5, warm_up=False)
     assert calls["slow"] == 1 + 5  # sizing, five samples; no warm-up when the caller made it
 
 
@@ -83,13 +83,13 @@ def test_decode_bytes_are_the_attended_kv_rows_plus_q_and_y():
 
 
 def test_percent_of_limit_divides_the_rate_by_the_limit():
-    timing = _cli_bench.Timing(Impl("x", "numkv", work=2e9), seconds=0.5)
-    assert _cli_bench.percent_of_limit(timing, "gemm", TINY_LIMITS) == pytest.approx(40.0)
-    assert _cli_bench.percent_of_limit(timing, None, TINY_LIMITS) is None
+    timing = bench_timing.Timing(Impl("x", "numkv", work=2e9), seconds=0.5)
+    assert bench_timing.percent_of_limit(timing, "gemm", TINY_LIMITS) == pytest.approx(40.0)
+    assert bench_timing.percent_of_limit(timing, None, TINY_LIMITS) is None
 
 
 def test_machine_limits_are_positive_rates():
-    limits = _bench_limits.measure_limits(gemm_n=64, read_nbytes=1 << 20, repeats=1)
+    limits = bench_limits.measure_limits(gemm_n=64, read_nbytes=1 << 20, repeats=1)
     assert limits.gemm_flops > 0 and limits.read_bytes > 0
     assert "GFLOP/s" in limits.describe() and "GB/s" in limits.describe()
 
@@ -100,7 +100,7 @@ def test_machine_limits_are_positive_rates():
                                       Workload("full prefill", 1, 4, 2, 8, 8, 8)],
                          ids=lambda w: w.id)
 def test_every_float32_implementation_computes_numkvs_y(workload):
-    result = _cli_bench.time_case(_bench_cases.attention_case(workload), _cli_bench.Settings(1, 0.01, 1))
+    result = bench_timing.time_case(bench_cases.attention_case(workload), bench_timing.Settings(1, 0.01, 1))
     ran = [t for t in result.timings if t.seconds is not None]
     assert ran[0].impl.peer == "numkv" and {"numpy"} <= {t.impl.peer for t in ran}
     for timing in ran[1:]:
@@ -110,41 +110,41 @@ def test_every_float32_implementation_computes_numkvs_y(workload):
 def test_threads_option_leaves_numkvs_own_blas_on_one_thread(monkeypatch):
     from threadpoolctl import threadpool_info
 
-    from numkv import _blas_threads
+    from numkv._runtime import blas as numkv_blas
 
     def blas_counts():
         return {lib["filepath"]: lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
 
-    monkeypatch.setattr(_cli_bench, "_have", lambda module: False)  # leave torch's count alone
+    monkeypatch.setattr(bench_timing, "_have", lambda module: False)  # leave torch's count alone
     before = blas_counts()
-    with _cli_bench._set_threads(3):
+    with bench_timing._set_threads(3):
         during = blas_counts()
         assert numkv.get_num_threads() == 3
     numkv.set_num_threads(None)
-    own = _blas_threads.OWN.path
+    own = numkv_blas.OWN.path
     assert during[own] == 1 and all(n == 3 for path, n in during.items() if path != own)
     assert blas_counts() == before
 
 
 @pytest.mark.parametrize("workload", [tiny_prefill("bfloat16"), tiny_decode("float8_e4m3fn")], ids=lambda w: w.id)
 def test_narrow_workloads_get_float32_and_narrow_peers(workload):
-    impls = _bench_cases.attention_impls(workload)
+    impls = bench_cases.attention_impls(workload)
     labels = [i.label for i in impls]
     assert "numkv" in labels[0] and workload.narrow_dtype in labels[0]
     assert not any(i.peer == "onnx.reference" for i in impls)  # float32 workloads only
-    if _bench_cases.have("torch"):
+    if bench_cases.have("torch"):
         assert any("torch" in label and "(bfloat16)" in label for label in labels)
 
 
 def test_numpy_peer_skips_a_large_score_matrix_and_says_so():
     big = Workload("causal prefill", 1, 32, 8, 2048, 2048, 128, True)
-    impl = _bench_cases._numpy_impl(big, wide=None)
+    impl = bench_cases._numpy_impl(big, wide=None)
     assert impl.fn is None and "skipped" in impl.note and "512 MiB" in impl.note
 
 
 def test_keep_mask_matches_attended():
     w = Workload("x", 2, 2, 1, 3, 6, 3, True, nonpad=(5, 2))
-    assert (_bench_cases.keep_mask(w).sum(axis=-1)[:, 0] == w.attended()).all()
+    assert (bench_cases.keep_mask(w).sum(axis=-1)[:, 0] == w.attended()).all()
 
 
 # -- the report ------------------------------------------------------------------------
@@ -165,8 +165,8 @@ def _broken():
 
 
 def test_report_says_which_peer_failed_and_times_the_rest(capsys):
-    result = _cli_bench.time_case(_case(), _cli_bench.Settings(3, 0.1, 1))
-    _cli_bench.print_case(result, TINY_LIMITS)
+    result = bench_timing.time_case(_case(), bench_timing.Settings(3, 0.1, 1))
+    bench_timing.print_case(result, TINY_LIMITS)
     out = capsys.readouterr().out
     assert "peer that fails" in out and "failed: RuntimeError: not supported here" in out
     assert "peer not built" in out and "skipped: too big" in out
@@ -174,9 +174,9 @@ def test_report_says_which_peer_failed_and_times_the_rest(capsys):
 
 
 def test_summary_names_the_best_peer_and_the_ratio(capsys):
-    results = [_cli_bench.time_case(_case("first"), _cli_bench.Settings(3, 0.1, 1)),
-               _cli_bench.time_case(_case("alone", peers=1, fail=False, limit=None), _cli_bench.Settings(3, 0.1, 1))]
-    _cli_bench.print_summary(results, TINY_LIMITS)
+    results = [bench_timing.time_case(_case("first"), bench_timing.Settings(3, 0.1, 1)),
+               bench_timing.time_case(_case("alone", peers=1, fail=False, limit=None), bench_timing.Settings(3, 0.1, 1))]
+    bench_timing.print_summary(results, TINY_LIMITS)
     lines = capsys.readouterr().out.splitlines()
     first = next(line for line in lines if line.strip().startswith("first"))
     assert "peer 0" in first and first.rstrip().endswith("x") and "%" in first
@@ -192,16 +192,16 @@ def tiny_bench(monkeypatch):
     events = []
 
     def cases(threads=None):
-        made = [_bench_cases.attention_case(w, threads, peers=("numkv", "numpy"))
+        made = [bench_cases.attention_case(w, threads, peers=("numkv", "numpy"))
                 for w in (tiny_prefill(), tiny_decode(), tiny_decode(nonpad=(3, 32)))]
         for case in made:
             build = case.build
             case.build = lambda build=build: events.append("case") or build()
         return made
 
-    monkeypatch.setattr(_bench_cases, "default_cases", cases)
-    monkeypatch.setattr(_bench_limits, "measure_limits", lambda: TINY_LIMITS)
-    monkeypatch.setattr(_cli_bench, "warm_up_kernels", lambda: events.append("hook"))
+    monkeypatch.setattr(bench_cases, "default_cases", cases)
+    monkeypatch.setattr(bench_limits, "measure_limits", lambda: TINY_LIMITS)
+    monkeypatch.setattr(bench_timing, "warm_up_kernels", lambda: events.append("hook"))
     return events
 
 
@@ -234,7 +234,7 @@ def test_list_prints_ids_and_runs_nothing(tiny_bench, capsys):
 
 
 def test_the_default_cases_hold_the_issues_workloads():
-    ids = [case.id for case in _bench_cases.default_cases()]
+    ids = [case.id for case in bench_cases.default_cases()]
     for expected in ("causal-prefill-S2048-bfloat16", "full-prefill-S1024-float32", "decode-Skv16384-float32",
                      "decode-Skv16384-kv-float8_e4m3fn", "decode-B8-Skv2048-float32",
                      "external-cache-decode-B4-Skv4096-float32", "decode-Hq16-Hkv4-D64-Skv1088-float32",
@@ -243,23 +243,16 @@ def test_the_default_cases_hold_the_issues_workloads():
     assert len(set(ids)) == len(ids)
 
 
-def test_import_numkv_and_its_cli_import_no_plotting_or_peers():
-    code = ("import sys, numkv, numkv.__main__, numkv._cli_bench; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'torch', 'onnxruntime', 'onnx'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
-
-
 # -- --plot ------------------------------------------------------------------------------
 
 @pytest.fixture
 def tiny_plot(tiny_bench, monkeypatch):
-    from numkv import _cli_plot
+    from numkv._cli import plot
 
-    panels = (_cli_plot.Panel("decode", "keys", lambda n: Workload("decode", 1, 4, 2, 1, n, 8), (16, 32)),
-              _cli_plot.Panel("prefill", "seq", lambda n: Workload("causal prefill", 1, 4, 2, n, n, 8, True), (8, 16)))
-    monkeypatch.setattr(_cli_plot, "PANELS", panels)
-    return _cli_plot
+    panels = (plot.Panel("decode", "keys", lambda n: Workload("decode", 1, 4, 2, 1, n, 8), (16, 32)),
+              plot.Panel("prefill", "seq", lambda n: Workload("causal prefill", 1, 4, 2, n, n, 8, True), (8, 16)))
+    monkeypatch.setattr(plot, "PANELS", panels)
+    return plot
 
 
 def test_plot_writes_a_png(tiny_plot, tmp_path, capsys):
@@ -290,10 +283,10 @@ def _spin(seconds):
 
 def test_measure_pauses_before_each_sample_when_implementations_alternate(monkeypatch):
     pauses = []
-    monkeypatch.setattr(_cli_bench, "SETTLE", 0.125)
-    monkeypatch.setattr(_cli_bench.time, "sleep", pauses.append)
-    _cli_bench.measure([lambda: None, lambda: None], repeats=3, min_sample=1e-4)
+    monkeypatch.setattr(bench_timing, "SETTLE", 0.125)
+    monkeypatch.setattr(bench_timing.time, "sleep", pauses.append)
+    bench_timing.measure([lambda: None, lambda: None], repeats=3, min_sample=1e-4)
     assert pauses == [0.125] * 6
     pauses.clear()
-    _cli_bench.measure([lambda: None], repeats=3, min_sample=1e-4)  # one implementation: nothing to settle
+    bench_timing.measure([lambda: None], repeats=3, min_sample=1e-4)  # one implementation: nothing to settle
     assert pauses == []

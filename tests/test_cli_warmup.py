@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from numkv import _cli_warmup
+from numkv._cli import warmup as warmup_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("NUMKV_CACHE") == "0", reason="di
 WORKLOAD = r"""
 import numpy as np, ml_dtypes, numkv
 from numkv.__main__ import main
-from numkv._compile_notice import CompileWatch
+from numkv._cli.compile_notice import CompileWatch
 
 def dt(name):
     return np.dtype(getattr(ml_dtypes, name, None) or name)
@@ -79,10 +79,10 @@ def warmup():
 
 def test_warmup_reports_every_group(warmup):
     out, _ = warmup
-    for name in _cli_warmup.GROUPS:
+    for name in warmup_command.GROUPS:
         line = next(line for line in out.splitlines() if f"] {name} " in line)
         assert "compiled" in line or "already cached" in line, line
-    assert "done in" in out and f"{len(_cli_warmup.GROUPS)} of {len(_cli_warmup.GROUPS)} groups ready" in out
+    assert "done in" in out and f"{len(warmup_command.GROUPS)} of {len(warmup_command.GROUPS)} groups ready" in out
 
 
 def test_after_warmup_a_new_process_compiles_nothing(warmup):
@@ -107,7 +107,7 @@ def test_cache_writes_wait_for_the_lock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(caching.IndexDataCacheFile, "save", caching.IndexDataCacheFile.save)
     lock_path = tmp_path / "lock"
-    assert _cli_warmup._serialise_cache_writes(str(lock_path))
+    assert warmup_command._serialise_cache_writes(str(lock_path))
     index = caching.IndexDataCacheFile(str(tmp_path), "kernel", source_stamp="stamp")
     other = caching.IndexDataCacheFile(str(tmp_path), "kernel", source_stamp="stamp")  # "another process"
 

@@ -246,7 +246,7 @@ def test_demo_fails_on_disagreement(monkeypatch, capsys):
 
 
 def test_demo_tolerates_near_ties_only():
-    from numkv._cli_demo import _compare
+    from numkv._cli.demo import _compare
 
     ref_logits = np.zeros((1, 3, 4), np.float32)
     ref_logits[0, :, 1] = 5.0

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 import numkv
 import oracle
 from conftest import SCATTER_DTYPES, random_bits, same_bits
-from numkv import _config, _scatter, _thread_limits, _threads
+from numkv import _config, _scatter
+from numkv._runtime import pool, thread_count
 from numkv._kernels import scatter as scatter_kernels
 
 HUGE = 1 << 62  # PARALLEL_MIN_BYTES that no input reaches: always the serial kernel
@@ -300,14 +301,14 @@ def spy_kernels(monkeypatch):
     even where NUMKV_REFERENCE=1 is set."""
     monkeypatch.setattr(_config, "REFERENCE", False)
     calls = {"serial": 0, "parallel": 0}
-    run = _threads.run
+    run = pool.run
 
     def spy(kernel, n_items, args, small=False, claimed=False):
         if kernel is scatter_kernels.scatter_items:
             calls["serial" if small else "parallel"] += 1
         return run(kernel, n_items, args, small, claimed)
 
-    monkeypatch.setattr(_threads, "run", spy)
+    monkeypatch.setattr(pool, "run", spy)
     return calls
 
 
@@ -343,7 +344,7 @@ def test_parallel_equals_serial_any_thread_count(dtype, rng, monkeypatch):
     for threshold in (0, HUGE):
         monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", threshold)
         for threads in (1, 2, 3, 7):
-            monkeypatch.setattr(_thread_limits, "get_num_threads", lambda n=threads: n)
+            monkeypatch.setattr(thread_count, "get_num_threads", lambda n=threads: n)
             results.append(numkv.tensor_scatter(past, update, w, mode="circular"))
             cache = past.copy()
             results.append(numkv.tensor_scatter(cache, update, w, mode="circular", out=cache))

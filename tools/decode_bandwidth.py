@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import numkv
-from numkv._bench_limits import read_bandwidth
+from numkv._cli.bench_limits import read_bandwidth
 
 
 def main(argv=None):

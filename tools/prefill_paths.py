@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 import numkv
-from numkv import _blas_threads
+from numkv._runtime import blas as numkv_blas
 
 
 def main(seq=2048, repeats=7):
@@ -19,20 +19,20 @@ def main(seq=2048, repeats=7):
     q = rng.standard_normal((1, 32, seq, 128), np.float32)
     k = rng.standard_normal((1, 8, seq, 128), np.float32) * np.float32(128 ** -0.25)
     v = rng.standard_normal((1, 8, seq, 128), np.float32)
-    whole = _blas_threads.single_threaded
+    whole = numkv_blas.single_threaded
     paths = {"whole tiles (numkv's BLAS)": whole, "split products": lambda: False}
     times = {name: [] for name in paths}
     try:
         for rep in range(repeats + 1):  # the first round compiles and warms up
             for name, single_threaded in paths.items():
-                _blas_threads.single_threaded = single_threaded
+                numkv_blas.single_threaded = single_threaded
                 time.sleep(0.15)
                 start = time.perf_counter()
                 numkv.attention(q, k, v, is_causal=True)
                 if rep:
                     times[name].append(time.perf_counter() - start)
     finally:
-        _blas_threads.single_threaded = whole
+        numkv_blas.single_threaded = whole
     for name, samples in times.items():
         print(f"{name}: {np.median(samples) * 1e3:.0f} ms")
 

@@ -50,7 +50,7 @@ the key sits.
 
 Parallel strategy: ``attention_items(first, stop, ...)`` computes work items
 ``(b, kv_head, unit, chunk)`` ``first .. stop``; every thread of
-``numkv._threads`` runs it over the whole range, claiming items one at a time
+``numkv._runtime.pool`` runs it over the whole range, claiming items one at a time
 (or, for tests, over a contiguous share).  A unit is a pair of query tiles
 ``(t, n_tiles - 1 - t)``: causal tiles cost in proportion to their index, so
 every pair costs the same.  Few query tiles
@@ -946,7 +946,7 @@ def _gemm(typingctx, a, b, c, beta, trans_b, fn):
     """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
     unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
     Fortran-ABI function at address ``fn`` (numkv's own OpenBLAS,
-    ``numkv._blas_threads``), or where ``fn`` is 0 the ``numba_xxgemm``
+    ``numkv._runtime.blas``), or where ``fn`` is 0 the ``numba_xxgemm``
     helper numba's own ``np.dot`` calls (SciPy's BLAS).  Both are found at
     run time, so the kernel stays in numba's disk cache.  Unlike ``np.dot``
     it accumulates (``beta``) and reads strided rows in place."""

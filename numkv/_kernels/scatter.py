@@ -25,7 +25,7 @@ neither ``upd`` nor ``src``.
 
 Parallel strategy: one work item per (prefix row, chunk of written sequence
 positions), chunks sized by the wrapper to move ~64 KiB; items are independent
-and ``numkv._threads`` hands contiguous ranges of them to its threads.
+and ``numkv._runtime.pool`` hands contiguous ranges of them to its threads.
 Within an item, positions that come from one source without wrapping are
 copied as one run.
 """

@@ -1,6 +1,6 @@
 """How many threads numkv's kernels use: ``numkv.set_num_threads`` / ``get_num_threads``.
 
-One count, process-wide: ``numkv._threads`` reads it on every call (``current``).
+One count, process-wide: ``numkv._runtime.pool`` reads it on every call (``current``).
 The default is ``NUMBA_NUM_THREADS`` when set, else ``OMP_NUM_THREADS`` when
 set (what Dask, joblib and batch schedulers set in their workers: numba
 ignores it), else the CPUs this process may run on.  It is read when numkv is
@@ -8,13 +8,13 @@ imported, as OpenMP and BLAS runtimes read theirs when they load: a Dask
 ``LocalCluster`` sets ``OMP_NUM_THREADS=1`` in the client's own process too
 (measured, distributed 2026.8), which must not throttle the numkv already
 running there.  ``threadpoolctl.threadpool_limits`` sets the count through
-``_threadpool``.  numkv's threads are its own (``numkv._threads``), so no
+``threadpoolctl_hook``.  numkv's threads are its own (``numkv._runtime.pool``), so no
 other library's thread count (numba's, OpenMP's, torch's) is ever changed.
 """
 
 import os
 
-from ._validate import as_int
+from .._validate import as_int
 
 
 def _env_threads(name):

@@ -2,7 +2,7 @@
 
 ``rows`` is ``(n, LANES)`` float32; item ``c`` of ``n_items`` sums the
 ``c``-th equal share of its rows into ``out[c]``.  Run over numkv's threads
-(``numkv._threads``), as the attention kernels are, so the bench quotes a
+(``numkv._runtime.pool``), as the attention kernels are, so the bench quotes a
 decode step against what the same threads can read.
 """
 

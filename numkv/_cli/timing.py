@@ -1,7 +1,7 @@
-"""``python -m numkv bench``: numkv's speed beside its peers and the machine's limits.
+"""How ``python -m numkv bench`` times and reports: numkv beside its peers and the machine's limits.
 
 Times the public API (``numkv.attention``, ``numkv.tensor_scatter``) on fixed
-cases (``numkv._bench_cases``: the workloads, their FLOPs and bytes, the
+cases (``numkv._cli.bench_cases``: the workloads, their FLOPs and bytes, the
 peers) beside onnxruntime, torch, ``onnx.reference`` (the executable ONNX
 spec) and NumPy, whichever are installed.
 
@@ -19,7 +19,7 @@ Method
   cases, 3 with ``--quick``).
 * **ratio** = the implementation's time / numkv's (above 1: slower than numkv).
 * **rate** and **% of limit**: the machine limits are measured at the start of
-  the run (``numkv._bench_limits``: an fp32 GEMM rate and a parallel read
+  the run (``numkv._cli.bench_limits``: an fp32 GEMM rate and a parallel read
   bandwidth).  A prefill line quotes its FLOPs per second (exact FLOPs: for each
   query row, the keys it attends x 2 x (D + Dv) x heads) as a % of the GEMM
   rate; a decode line the bytes it must move (the attended K and V rows, read
@@ -31,7 +31,7 @@ Method
   implementation and its time, their ratio and both % of limit.
 
 ``--only REGEX`` runs the cases whose id or title matches (``--list`` shows
-them); ``--plot FILE.png`` runs the sweep of ``numkv._cli_plot`` instead.
+them); ``--plot FILE.png`` runs the sweep of ``numkv._cli.plot`` instead.
 This is a quick side-by-side; the asv suite (``asv_benchmarks/``) is the
 tracked, parameterised one.
 """
@@ -49,31 +49,9 @@ from typing import Optional
 import numpy as np
 
 import numkv
-from numkv._config import runtime_info
+from numkv._cli.info import runtime_info
 
 LABEL_WIDTH = 54
-
-
-def add_parser(subparsers):
-    parser = subparsers.add_parser(
-        "bench", help="numkv's speed beside its peers and the machine's limits",
-        description="numkv's speed beside onnxruntime, torch, onnx.reference and NumPy (those installed): "
-                    "medians of samples taken in turn, ratios to numkv, and each line's share of the "
-                    "machine's GEMM rate (prefill) or read bandwidth (decode), measured at the start.",
-    )
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer samples per case (at least 3): rough figures, a shorter run")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="threads for numkv, BLAS, onnxruntime and torch (default: their own, "
-                             "usually one per core)")
-    parser.add_argument("--only", default=None, metavar="REGEX",
-                        help="run only the cases whose id or title matches REGEX (see --list)")
-    parser.add_argument("--list", action="store_true", help="list the cases (id and title) and exit")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="instead of the cases, time decode and prefill over a range of lengths and "
-                             "draw them, numkv beside every installed peer (needs matplotlib: numkv[plot])")
-    parser.set_defaults(run=run)
-    return parser
 
 
 # -- timing -------------------------------------------------------------------
@@ -315,11 +293,11 @@ def _set_threads(n):
         torch.set_num_threads(n)
     from threadpoolctl import ThreadpoolController
 
-    from numkv import _blas_threads
+    from numkv._runtime import blas as numkv_blas
 
     # Every BLAS but numkv's own, which stays on one thread (its products run on numkv's).
     blas = ThreadpoolController().select(user_api="blas")
-    others = [lib.filepath for lib in blas.lib_controllers if lib.filepath != _blas_threads.own_path()]
+    others = [lib.filepath for lib in blas.lib_controllers if lib.filepath != numkv_blas.own_path()]
     return blas.select(filepath=others).limit(limits=n)
 
 
@@ -354,7 +332,7 @@ def print_header(threads):
 
 
 def measure_and_print_limits():
-    from numkv._bench_limits import measure_limits
+    from numkv._cli.bench_limits import measure_limits
 
     overwrite = "\r" if sys.stdout.isatty() else ""  # a terminal shows "measuring" until the figures come
     if overwrite:
@@ -364,45 +342,12 @@ def measure_and_print_limits():
     return limits
 
 
-def run(args):
-    from numkv import _bench_cases
-
-    if args.plot:
-        if args.only or args.list:
-            raise SystemExit("--plot runs its own sweep: --only and --list don't apply to it")
-        from numkv import _cli_plot
-
-        return _cli_plot.run(args)
-    settings = Settings.from_args(args)
-    every_case = _bench_cases.default_cases(args.threads)
-    cases = _bench_cases.select(every_case, args.only)
-    if args.list:
-        print(case_list(cases))
-        return 0
-    if not cases:
-        raise SystemExit(f"no case matches --only {args.only!r}; the cases are:\n{case_list(every_case)}")
-    with _set_threads(args.threads):
-        print_header(args.threads)
-        limits = measure_and_print_limits()
-        print(f"  median time per call, samples taken in turn (at least {settings.min_samples} per attention "
-              f"implementation); ratio = time / numkv's; % = of the GEMM rate (prefill) or read "
-              f"bandwidth (decode)")
-        warm_up_kernels()
-        results = []
-        for number, case in enumerate(cases, 1):
-            print(f"\n[{number}/{len(cases)}] {case.id}: {case.title}", flush=True)
-            results.append(time_case(case, settings))
-            print_case(results[-1], limits)
-        print_summary(results, limits)
-    return 0
-
-
 def warm_up_kernels():
     """Compile (or load) the kernels the cases call before any is timed,
     saying so first when numba's cache is cold: one float32 attention kernel
     serves every dtype the cases use, with the BLAS tiles, the decode loop
     and the merge of a split key range; and the scatter kernel."""
-    from numkv._compile_notice import compile_notice
+    from numkv._cli.compile_notice import compile_notice
 
     with compile_notice("the benchmarked cases", seconds=15):
         q = np.ones((1, 32, 40, 16), np.float32)
@@ -411,7 +356,3 @@ def warm_up_kernels():
         numkv.attention(q[:, :4, :1], k, k)                           # decode: loop, split, merge
         cache = np.zeros((2, 2, 8, 4), np.float32)
         numkv.tensor_scatter(cache, np.ones((2, 2, 1, 4), np.float32), [1, 2], out=cache)
-
-
-def case_list(cases):
-    return "\n".join(f"{case.id:<44} {case.title}" for case in cases)

@@ -68,44 +68,14 @@ class CompileWatch:
 
     @contextlib.contextmanager
     def installed(self):
-        """Listen for numba's compile events inside the block.  Without
-        numba's event API (numba < 0.53) nothing is counted."""
-        try:
-            from numba.core import event
-        except ImportError:  # pragma: no cover - numkv needs numba >= 0.60
-            yield self
-            return
-        listener = _listener_class()(self)
-        event.register("numba:compile", listener)
+        """Listen for numba's compile events inside the block."""
+        from numkv._kernels.compiler import listen_for_compiles
+
+        stop = listen_for_compiles(self.notify)
         try:
             yield self
         finally:
-            event.unregister("numba:compile", listener)
-
-
-_LISTENER = None
-
-
-def _listener_class():
-    """A ``numba.core.event.Listener`` forwarding to a ``CompileWatch``
-    (numba's register() checks the type; built lazily: numba is not imported
-    with numkv)."""
-    global _LISTENER
-    if _LISTENER is None:
-        from numba.core import event
-
-        class _Forward(event.Listener):
-            def __init__(self, watch):
-                self.watch = watch
-
-            def on_start(self, ev):
-                self.watch.notify(ev)
-
-            def on_end(self, ev):
-                self.watch.notify(ev)
-
-        _LISTENER = _Forward
-    return _LISTENER
+            stop()
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 import numkv
-from numkv import _thread_limits
-from numkv._compile_notice import CompileWatch
+from numkv._runtime import thread_count
+from numkv._cli.compile_notice import CompileWatch
 from numkv._dtypes import is_object_dtype
 
 FLOAT8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -146,16 +146,16 @@ def add_parser(subparsers):
 
 
 def _cache_save():
-    """``(fcntl, numba's caching module, its index save)``, or None where one
+    """``(fcntl, numba's cache index class, its save)``, or None where one
     is missing (not Unix, another numba)."""
     try:
         import fcntl
-
-        from numba.core import caching
-    except ImportError:
+    except ImportError:  # pragma: no cover - not Unix
         return None
-    save = getattr(caching.IndexDataCacheFile, "save", None)
-    return None if save is None else (fcntl, caching, save)
+    from numkv._kernels.compiler import cache_index_file
+
+    index = cache_index_file()
+    return None if index is None else (fcntl, index, index.save)
 
 
 def _serialise_cache_writes(lock_path):
@@ -164,7 +164,7 @@ def _serialise_cache_writes(lock_path):
     found = _cache_save()
     if found is None:
         return False
-    fcntl, caching, save = found
+    fcntl, index, save = found
 
     def locked_save(self, key, data):
         with open(lock_path, "a") as lock:
@@ -173,7 +173,7 @@ def _serialise_cache_writes(lock_path):
             # other processes meanwhile are kept, and data numbers are unique.
             return save(self, key, data)
 
-    caching.IndexDataCacheFile.save = locked_save
+    index.save = locked_save
     return True
 
 
@@ -197,7 +197,7 @@ def run_group(name):
 
 
 def run(args):
-    from numkv._cli_info import cache_location
+    from numkv._cli.info import cache_location
 
     names = [n for n in GROUPS if n in (args.group or GROUPS)]
     path, note = cache_location()
@@ -205,7 +205,7 @@ def run(args):
     print(f"  cache: {path or '-'}  ({note})")
     if path is None:
         raise SystemExit("warmup: no disk cache to fill (see above)")
-    jobs = args.jobs or min(_thread_limits.cores(), len(names))
+    jobs = args.jobs or min(thread_count.cores(), len(names))
     if jobs > 1 and not _can_serialise():
         print("  (numba's cache writes can't be serialised here: one group at a time)")
         jobs = 1

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from . import _thread_limits
+from . import thread_count
 
 MAX_WORKERS = 1023
 # How long a caller that has done its own share spins for the workers' shares
@@ -91,7 +91,7 @@ def run(kernel, n_items, args, small=False, claimed=False):
     range to every thread (the kernel claims items one at a time from a
     counter among ``args``); ``small`` work (below the point where handing
     out shares costs more than it saves) runs on the calling thread alone."""
-    threads = 1 if small else min(_thread_limits.get_num_threads(), n_items, MAX_WORKERS + 1)
+    threads = 1 if small else min(thread_count.get_num_threads(), n_items, MAX_WORKERS + 1)
     if threads <= 1:
         kernel(0, n_items, *args)
         return
@@ -107,7 +107,7 @@ def run(kernel, n_items, args, small=False, claimed=False):
         kernel(*shares[0], *args)
     except BaseException as exc:
         error = exc
-    from ._kernels.pool import wait_at_least
+    from .._kernels.spin_wait import wait_at_least
 
     try:
         for worker in range(threads - 1):

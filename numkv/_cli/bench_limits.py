@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _threads
+from numkv._runtime import pool
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,11 @@ def gemm_rate(n=2048, repeats=5):
 
 def read_bandwidth(nbytes=512 << 20, repeats=5):
     """Bytes/s of a parallel sum over a float32 array of ``nbytes``."""
-    from ._kernels.memory import LANES, chunk_sums
+    from numkv._kernels.read_bandwidth import LANES, chunk_sums
 
     rows = np.ones((nbytes // (4 * LANES), LANES), np.float32)  # written once: every page faulted in
     partial = np.empty(256, np.float32)  # many chunks per thread: no thread idles at the end
-    return rows.nbytes / _median_seconds(lambda: _threads.run(chunk_sums, len(partial), (rows, partial)),
+    return rows.nbytes / _median_seconds(lambda: pool.run(chunk_sums, len(partial), (rows, partial)),
                                          repeats)
 
 

@@ -1,13 +1,14 @@
 """``python -m numkv info``: what numkv runs on, without compiling anything.
 
 Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS
-prefill's matrix products call (numkv's own OpenBLAS, ``numkv._blas_threads``;
+prefill's matrix products call (numkv's own OpenBLAS, ``numkv._runtime.blas``;
 else SciPy's, through numba) and NumPy's, threads and how they are run, and
 where numba keeps numkv's compiled kernels (and whether it could use the
 directory asked for).
 """
 
 import importlib
+import importlib.metadata
 import os
 import pkgutil
 import platform
@@ -16,7 +17,13 @@ import sys
 import numpy as np
 
 import numkv
-from numkv._compile_notice import is_numkv_kernel
+from numkv._cli.compile_notice import is_numkv_kernel
+
+
+def runtime_info():
+    """``(numba version, threads, threading)``: numkv runs its kernels on its
+    own thread pool, never numba's threading layer."""
+    return _version("numba"), numkv.get_num_threads(), "numkv pool (numba nogil kernels)"
 
 
 def add_parser(subparsers):
@@ -27,10 +34,11 @@ def add_parser(subparsers):
     return p
 
 
-def _version(module_name):
+def _version(distribution):
+    """An installed distribution's version, read from its metadata (imports nothing)."""
     try:
-        return importlib.import_module(module_name).__version__
-    except ImportError:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
         return "not installed"
 
 
@@ -44,9 +52,9 @@ def blas_info():
     where it does not, each package's build configuration says what it was
     built against; otherwise "unknown".
     """
-    from numkv import _blas_threads
+    from numkv._runtime import blas as numkv_blas
 
-    own = _blas_threads.own_path()
+    own = numkv_blas.own_path()
     try:
         import scipy.linalg.cython_blas  # noqa: F401  loads the library numba calls
     except ImportError:
@@ -87,12 +95,12 @@ def _numpy_blas_config():
 
 
 def products_info():
-    """How prefill tiles call BLAS in this process now (``numkv._blas_threads``)."""
-    from numkv import _blas_threads
+    """How prefill tiles call BLAS in this process now (``numkv._runtime.blas``)."""
+    from numkv._runtime import blas as numkv_blas
 
-    if _blas_threads.single_threaded():
+    if numkv_blas.single_threaded():
         return "whole tiles (their BLAS runs on 1 thread)"
-    if _blas_threads.OWN is not None:
+    if numkv_blas.OWN is not None:
         return ("split to M*N*K <= 2**18: a threadpool_limits block gave numkv's BLAS more than "
                 "1 thread (outside it, whole tiles, ~1.2-1.3x faster)")
     return ("split to M*N*K <= 2**18, BLAS may start threads (install scipy-openblas32, or "
@@ -102,7 +110,6 @@ def products_info():
 def threading_info():
     """``(threads, how)``: numkv's thread count and how its kernels use the
     threads, as numkv's own configuration says (compiles nothing)."""
-    from numkv._config import runtime_info
 
     _, threads, how = runtime_info()
     return threads, how

@@ -131,7 +131,7 @@ def _compare(tokens, logits, ref_tokens, ref_logits):
 
 
 def run(args):
-    from numkv._compile_notice import compile_notice
+    from numkv._cli.compile_notice import compile_notice
     from numkv.layers import Decoder
 
     if args.threads is not None:

@@ -4,12 +4,12 @@ Two panels, log-log, numkv beside every installed peer: a decode step (B=1,
 Hq=32, Hkv=8, D=128, one query, float32 K/V) against the number of cached keys
 (1k to 16k), and a causal prefill (the same heads, float32) against the
 sequence length (512 to 4096).  Each point is timed as a case of
-``python -m numkv bench`` is (``_cli_bench.time_case``: medians of samples taken
-in turn, the first call untimed), on the same workloads (``_bench_cases``).
+``python -m numkv bench`` is (``timing.time_case``: medians of samples taken
+in turn, the first call untimed), on the same workloads (``bench_cases``).
 A dashed line marks the time at 100 % of the machine limit measured at the start
 of the run (read bandwidth for decode, the fp32 GEMM rate for prefill).
 onnx.reference and NumPy drop out where they would materialise a large score
-matrix (``_bench_cases.REFERENCE_MAX_SCORES`` / ``NUMPY_MAX_SCORES``).
+matrix (``bench_cases.REFERENCE_MAX_SCORES`` / ``NUMPY_MAX_SCORES``).
 
 matplotlib is optional (the ``plot`` extra) and imported only here.
 """
@@ -17,7 +17,7 @@ matplotlib is optional (the ``plot`` extra) and imported only here.
 import os
 from typing import Callable, NamedTuple
 
-from numkv import _bench_cases, _cli_bench
+from numkv._cli import bench_cases, timing
 
 DECODE_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 PREFILL_LENGTHS = (512, 1024, 2048, 4096)
@@ -27,15 +27,15 @@ PREFILL_LENGTHS = (512, 1024, 2048, 4096)
 class Panel(NamedTuple):
     title: str
     x_label: str
-    workload: Callable  # length -> _bench_cases.Workload
+    workload: Callable  # length -> bench_cases.Workload
     lengths: tuple
 
 
 PANELS = (
     Panel("decode: B=1 Hq=32 Hkv=8 D=128, one query, float32", "cached keys (Skv)",
-          _bench_cases.decode, DECODE_LENGTHS),
+          bench_cases.decode, DECODE_LENGTHS),
     Panel("causal prefill: B=1 Hq=32 Hkv=8 D=128, float32", "sequence length (Sq = Skv)",
-          _bench_cases.causal_prefill, PREFILL_LENGTHS),
+          bench_cases.causal_prefill, PREFILL_LENGTHS),
 )
 
 
@@ -60,12 +60,12 @@ def sweep(points, settings, threads=None):
     series = {panel.title: {} for panel, _, _ in points}
     for number, (panel, n, workload) in enumerate(points, 1):
         print(f"[plot {number}/{len(points)}] {workload.id}: ", end="", flush=True)
-        result = _cli_bench.time_case(_bench_cases.attention_case(workload, threads),
+        result = timing.time_case(bench_cases.attention_case(workload, threads),
                                       settings)
         timed = [t for t in result.timings if t.seconds is not None]
         for t in timed:
             series[panel.title].setdefault(t.impl.label, []).append((n, t.seconds, t.impl.work))
-        print(", ".join(f"{t.impl.peer} {_cli_bench.fmt_time(t.seconds).strip()}" for t in timed), flush=True)
+        print(", ".join(f"{t.impl.peer} {timing.fmt_time(t.seconds).strip()}" for t in timed), flush=True)
     return series
 
 
@@ -132,27 +132,27 @@ def draw(path, points, series, limits, title, note):
 def title_text(threads):
     import numkv
 
-    thread_count = threads or _cli_bench.runtime_info()[1]
-    return (f"numkv {numkv.__version__} beside its peers on {_cli_bench.machine_name()} "
-            f"({os.cpu_count()} CPUs), {thread_count} threads\n{_cli_bench.versions()}")
+    thread_count = threads or timing.runtime_info()[1]
+    return (f"numkv {numkv.__version__} beside its peers on {timing.machine_name()} "
+            f"({os.cpu_count()} CPUs), {thread_count} threads\n{timing.versions()}")
 
 
 def note_text(settings):
     return (f"Median time per call, at least {settings.min_samples} samples each, implementations sampled in turn. "
             f"onnx.reference and NumPy are left out where they would materialise a score matrix above "
-            f"{_bench_cases.REFERENCE_MAX_SCORES * 4 >> 20} / {_bench_cases.NUMPY_MAX_SCORES * 4 >> 20} MiB.")
+            f"{bench_cases.REFERENCE_MAX_SCORES * 4 >> 20} / {bench_cases.NUMPY_MAX_SCORES * 4 >> 20} MiB.")
 
 
 def run(args):
     """The ``--plot`` run: header, machine limits, the sweep, the PNG."""
     _figure_class()  # fail before minutes of timing, not after
-    settings = _cli_bench.Settings(3, 2.0, 3) if args.quick else _cli_bench.Settings(5, 5.0, 3)
-    with _cli_bench._set_threads(args.threads):
-        _cli_bench.print_header(args.threads)
-        limits = _cli_bench.measure_and_print_limits()
+    settings = timing.Settings(3, 2.0, 3) if args.quick else timing.Settings(5, 5.0, 3)
+    with timing._set_threads(args.threads):
+        timing.print_header(args.threads)
+        limits = timing.measure_and_print_limits()
         points = sweep_points(PANELS)
         print(f"  {len(points)} points to time for {args.plot}")
-        _cli_bench.warm_up_kernels()
+        timing.warm_up_kernels()
         series = sweep(points, settings, args.threads)
         draw(args.plot, points, series, limits, title_text(args.threads), note_text(settings))
     print(f"wrote {args.plot}")

@@ -11,7 +11,8 @@ loads (so ``threadpool_info()`` lists numkv with that file as its
 
 import threadpoolctl
 
-from . import __version__, _thread_limits
+from .._version import __version__
+from . import thread_count
 
 
 class NumkvController(threadpoolctl.LibController):
@@ -22,10 +23,10 @@ class NumkvController(threadpoolctl.LibController):
     filename_prefixes = ("_ml_dtypes_ext",)
 
     def get_num_threads(self):
-        return _thread_limits.get_num_threads()
+        return thread_count.get_num_threads()
 
     def set_num_threads(self, num_threads):
-        _thread_limits.set_num_threads(num_threads)
+        thread_count.set_num_threads(num_threads)
 
     def get_version(self):
         return __version__

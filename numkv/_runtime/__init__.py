@@ -1,0 +1,4 @@
+"""What numkv's kernels run on: the thread count (``thread_count``), the pool
+of worker threads that runs them (``pool``), the hook that lets
+``threadpoolctl`` see and cap that count (``threadpoolctl_hook``), and the
+BLAS library prefill's tile products call (``blas``)."""
