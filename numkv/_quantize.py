@@ -1,0 +1,504 @@
+"""Quantised K/V with scales: ``numkv.quantize`` and ``numkv.QuantizedArray``.
+
+Formats, all symmetric and round-to-nearest (NumPy's ``rint``: ties to even,
+as onnxruntime's own quantiser rounds):
+
+``q8_0``
+    llama.cpp's ``block_q8_0``: per block of 32 elements along the last axis a
+    float16 scale ``d`` then 32 int8 codes, 34 bytes; value = ``d * code``.
+``q4_0``
+    llama.cpp's ``block_q4_0``: a float16 ``d`` then 16 bytes, byte ``j``
+    holding element ``j`` (low nibble) and element ``j + 16`` (high nibble),
+    each as ``code + 8``; 18 bytes per 32 elements; value = ``d * code``,
+    ``code`` in ``[-8, 7]``.
+``int8``, ``int4``
+    onnxruntime's ``GroupQueryAttention`` quantised cache: codes
+    ``clip(rint(x / scale), -128, 127)`` (int4: ``[-8, 7]``, stored biased
+    ``code + 8``, two per byte, the even element in the low nibble) with a
+    scale given per tensor or per channel ``(1, heads, 1, head_size)``.
+
+The blocks of q8_0 / q4_0 keep their scale beside their codes (one byte
+buffer, llama.cpp's own layout): a row of a cache is one contiguous run of
+bytes, so appending a token writes its codes and scales in one copy, a slice
+along the sequence axis is a view, and the attention kernel reads one buffer
+per tensor (a dtype code and byte strides, like any other input).
+
+Block scales.  llama.cpp takes ``d = amax / 127`` (q8_0) and ``d = max /
+-8`` with the signed extreme (q4_0); the second puts the opposite extreme a
+whole step away (``-max`` -> code 8, clamped to 7).  numkv takes ``d`` as the
+smallest float16 with ``(qmax + 1/2) d >= amax`` near ``amax / qmax``
+(``qmax`` 127 or 7): ``amax / qmax`` rounded to float16, one float16 step up
+where rounding took it below, so that every element of a block is within
+``d / 2`` of its value (tested); a block of zeros has ``d = 0``.
+
+Nothing here imports numba: this is the wrapper layer (validation, layout,
+NumPy arithmetic); the kernels read the codes in place.
+"""
+
+import math
+import operator
+
+import numpy as np
+
+from ._dtypes import BFLOAT16, is_attention_dtype, is_integer_dtype
+from ._validate import as_array
+
+FORMATS = ("q8_0", "q4_0", "int8", "int4")
+BLOCK = 32  # elements per block of q8_0 / q4_0, along the last axis
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}  # float16 scale + codes
+CODE_RANGE = {"q8_0": (-127, 127), "q4_0": (-8, 7), "int8": (-128, 127), "int4": (-8, 7)}
+# The largest code magnitude a block's scale is derived for (symmetric).
+_QMAX = {"q8_0": 127, "q4_0": 7}
+_FLOAT16 = np.dtype(np.float16)
+_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+_UINT8, _INT8 = np.dtype(np.uint8), np.dtype(np.int8)
+_DEQUANTIZE_DTYPES = (_FLOAT32, _FLOAT64, _FLOAT16, BFLOAT16)
+
+
+class QuantizedArray:
+    """An array stored as integer codes with scales (see ``numkv.quantize``).
+
+    Attributes
+    ----------
+    format : str
+        ``"q8_0"``, ``"q4_0"``, ``"int8"`` or ``"int4"``.
+    shape : tuple of int
+        The logical shape (what ``dequantize()`` returns).
+    codes : ndarray
+        q8_0: int8 ``(*shape[:-1], blocks, 32)``; q4_0: uint8 ``(*shape[:-1],
+        blocks, 16)`` (llama.cpp's nibble order); int8: int8 ``shape``; int4:
+        uint8 ``(*shape[:-1], shape[-1] // 2)`` (biased nibbles, even element
+        low).  Views of ``storage``.
+    scales : ndarray
+        q8_0 / q4_0: float16 ``(*shape[:-1], blocks)`` (a view of
+        ``storage``); int8 / int4: the float32 scale, 0-d (per tensor) or
+        ``(1, heads, 1, head_size)`` (per channel), read-only.
+    storage : ndarray
+        What the kernels read and ``tensor_scatter`` writes: q8_0 / q4_0
+        uint8 ``(*shape[:-1], blocks * bytes_per_block)``, llama.cpp's
+        blocks; int8 / int4 the codes.
+    nbytes : int
+        Bytes of codes and scales this array spans.
+
+    Slicing with integers and slices along every axis but the last gives a
+    ``QuantizedArray`` view (no copy).
+    """
+
+    __slots__ = ("_format", "_scale", "_shape", "_storage")
+
+    def __init__(self, format, storage, scale=None, *, _shape=None):
+        """Internal: use ``numkv.quantize`` or ``QuantizedArray.from_parts``."""
+        self._format = format
+        self._storage = storage
+        # int8 / int4: the read-only float32 scale, 0-d (per tensor) or of the
+        # logical rank with length 1 along every axis it does not vary on
+        self._scale = scale
+        if _shape is None:
+            last = storage.shape[-1]
+            _shape = storage.shape[:-1] + ((last // BLOCK_BYTES[format] * BLOCK) if format in BLOCK_BYTES
+                                           else last * 2 if format == "int4" else last,)
+        self._shape = tuple(_shape)
+
+    # -- construction from parts ------------------------------------------------
+
+    @classmethod
+    def from_parts(cls, format, codes, scales):
+        """A ``QuantizedArray`` from its codes and scales as ``.codes`` and
+        ``.scales`` describe them (e.g. onnxruntime's ``present_key`` and its
+        ``k_scale``).  int8 / int4 codes are viewed, not copied; q8_0 / q4_0
+        codes and scales are copied into llama.cpp's interleaved blocks.
+
+        Raises
+        ------
+        ValueError, TypeError
+            An unknown format, codes of the wrong dtype, or codes and scales
+            whose shapes disagree (naming the argument).
+        """
+        format = _format(format)
+        codes = as_array(codes, "codes", sequences=False)
+        if format in BLOCK_BYTES:
+            want = _INT8 if format == "q8_0" else _UINT8
+            width = BLOCK if format == "q8_0" else BLOCK // 2
+            if codes.dtype != want:
+                raise TypeError(f"codes of {format} must have dtype {want}, got {codes.dtype}")
+            if codes.ndim < 2 or codes.shape[-1] != width:
+                raise ValueError(f"codes of {format} must have shape (..., blocks, {width}), got {codes.shape}")
+            scales = as_array(scales, "scales", sequences=False)
+            if scales.dtype != _FLOAT16:
+                raise TypeError(f"scales of {format} must have dtype float16, got {scales.dtype}")
+            if scales.shape != codes.shape[:-1]:
+                raise ValueError(f"scales has shape {scales.shape}; codes of shape {codes.shape} need "
+                                 f"{codes.shape[:-1]} (one scale per block)")
+            _check_finite_scales(scales.astype(np.float32), "scales", zero_ok=True)
+            blocks = np.empty(codes.shape[:-1] + (BLOCK_BYTES[format],), _UINT8)
+            blocks[..., :2] = scales[..., None].view(_UINT8)
+            blocks[..., 2:] = codes.view(_UINT8)
+            storage = blocks.reshape(codes.shape[:-2] + (codes.shape[-2] * BLOCK_BYTES[format],))
+            return cls(format, storage)
+        want = _INT8 if format == "int8" else _UINT8
+        if codes.dtype != want:
+            raise TypeError(f"codes of {format} must have dtype {want}, got {codes.dtype}")
+        if codes.ndim < 1:
+            raise ValueError(f"codes must have rank >= 1, got shape {codes.shape}")
+        shape = codes.shape if format == "int8" else codes.shape[:-1] + (2 * codes.shape[-1],)
+        return cls(format, codes, _given_scale(scales, shape, "scales"), _shape=shape)
+
+    # -- the public view ----------------------------------------------------------
+
+    @property
+    def format(self):
+        return self._format
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def ndim(self):
+        return len(self._shape)
+
+    @property
+    def storage(self):
+        return self._storage
+
+    @property
+    def codes(self):
+        if self._format in BLOCK_BYTES:
+            view = self._blocks()[..., 2:]
+            return view.view(_INT8) if self._format == "q8_0" else view
+        return self._storage
+
+    @property
+    def scales(self):
+        if self._format in BLOCK_BYTES:
+            return self._blocks()[..., :2].view(_FLOAT16)[..., 0]
+        return self._scale
+
+    @property
+    def per_channel(self):
+        """int8 / int4: whether the scale varies along the heads or channels."""
+        return self._format not in BLOCK_BYTES and self._scale.ndim > 0
+
+    @property
+    def nbytes(self):
+        rows = math.prod(self._storage.shape)
+        if self._format in BLOCK_BYTES:
+            return rows
+        return rows + self._scale.nbytes
+
+    def __len__(self):
+        if not self._shape:
+            raise TypeError("len() of a 0-d QuantizedArray")
+        return self._shape[0]
+
+    def __repr__(self):
+        kind = ""
+        if self._format not in BLOCK_BYTES:
+            kind = ", per channel" if self.per_channel else ", per tensor"
+        return f"QuantizedArray({self._format!r}, shape={self._shape}{kind}, nbytes={self.nbytes})"
+
+    def _blocks(self):
+        s = self._storage
+        return s.reshape(s.shape[:-1] + (s.shape[-1] // BLOCK_BYTES[self._format], BLOCK_BYTES[self._format]))
+
+    def scale_view(self):
+        """int8 / int4: the float32 scale broadcast to the logical shape (a
+        read-only view with zero strides); None for q8_0 / q4_0."""
+        return None if self._scale is None else np.broadcast_to(self._scale, self._shape)
+
+    def dequantize(self, dtype=np.float32):
+        """The values as a new array of ``dtype`` (float32 by default;
+        float64, float16 or bfloat16 too): ``scale * code``, computed in
+        float32 (float64 for float64) and cast once."""
+        dtype = np.dtype(dtype)
+        if dtype not in _DEQUANTIZE_DTYPES:
+            raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype}")
+        wide = _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
+        fmt = self._format
+        if fmt in BLOCK_BYTES:
+            blocks = self._blocks()
+            scale = blocks[..., :2].view(_FLOAT16).astype(wide)  # (..., blocks, 1)
+            codes = blocks[..., 2:]
+            if fmt == "q8_0":
+                values = codes.view(_INT8).astype(wide)
+            else:
+                values = np.concatenate([(codes & 15).astype(wide), (codes >> 4).astype(wide)], axis=-1) - 8
+            out = (values * scale).reshape(self._shape)
+        else:
+            if fmt == "int8":
+                values = self._storage.astype(wide)
+            else:
+                packed = self._storage
+                values = np.stack([(packed & 15).astype(wide), (packed >> 4).astype(wide)], axis=-1)
+                values = values.reshape(self._shape) - 8
+            out = values * self._scale.astype(wide)
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    def __getitem__(self, key):
+        key = _basic_key(key, len(self._shape))
+        storage = self._storage[key]
+        scale = self._scale
+        if scale is not None and scale.ndim:  # index it where it varies, keep its 1s elsewhere
+            scale = scale[tuple(k if n > 1 else 0 if isinstance(k, int) else slice(None)
+                                for k, n in zip(key, scale.shape))]
+        shape = storage.shape[:-1] + (self._shape[-1],)
+        return QuantizedArray(self._format, storage, scale, _shape=shape)
+
+    def same_scales(self, other):
+        """int8 / int4: whether ``other`` has this array's scale (equal values
+        where both broadcast)."""
+        a, b = self._scale, other._scale
+        try:
+            return bool(np.array_equal(*np.broadcast_arrays(a, b)))
+        except ValueError:
+            return False
+
+
+def _basic_key(key, ndim):
+    """``key`` as a tuple of integers and slices over the leading axes (never
+    the last): what keeps a slice of codes and scales a view."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    out = []
+    for k in key:
+        if isinstance(k, slice):
+            out.append(k)
+            continue
+        if isinstance(k, (bool, np.bool_)) or k is None or k is Ellipsis:
+            raise TypeError(f"QuantizedArray takes integers and slices as indices, got {k!r}")
+        try:
+            out.append(operator.index(k))
+        except TypeError:
+            raise TypeError(f"QuantizedArray takes integers and slices as indices (basic slicing), "
+                            f"got {type(k).__name__}") from None
+    if len(out) > ndim:
+        raise IndexError(f"too many indices for a QuantizedArray of rank {ndim}: {len(out)}")
+    if len(out) == ndim:
+        last = out[-1]
+        if not (isinstance(last, slice) and last == slice(None)):
+            raise IndexError(f"a QuantizedArray is sliced along its leading and sequence axes only; "
+                             f"the last axis (head size) takes ':' only, got {last!r}")
+        out.pop()
+    return tuple(out)
+
+
+# -- quantize -----------------------------------------------------------------
+
+
+def _format(format):
+    if not isinstance(format, str):
+        raise TypeError(f"format must be a string, one of {FORMATS}, got {format!r}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+    return format
+
+
+def quantize(x, format, *, scale=None):
+    """Quantise ``x`` into integer codes with scales.
+
+    Parameters
+    ----------
+    x : array_like
+        A float array (float16, bfloat16, float32, float64, float8), finite.
+        q8_0 / q4_0 quantise blocks of 32 elements along the last axis, which
+        32 must divide; int4 packs pairs along it, so it must be even.
+    format : {"q8_0", "q4_0", "int8", "int4"}
+        See the module docstring: llama.cpp's q8_0 / q4_0 blocks (a float16
+        scale per block of 32 derived from the block's largest magnitude),
+        or onnxruntime's GroupQueryAttention int8 / int4 cache with a given
+        ``scale``.
+    scale : float or array_like, optional
+        int8 / int4 only (required there): positive and finite; a scalar (or
+        an array of one element) is per tensor, an array broadcastable to
+        ``(1, heads, 1, head_size)`` of a 4-D ``x`` is per channel.
+
+    Returns
+    -------
+    QuantizedArray
+
+    Notes
+    -----
+    Round to nearest: every element is within half a step (``scale / 2``)
+    of its value.  q8_0 / q4_0 choose their block scale so that this holds
+    for every finite block whose scale float16 can hold; int8 / int4 saturate
+    at the code range like onnxruntime, so the bound holds for values within
+    ``(qmax + 1/2) * scale`` (127.5 or 7.5 steps; 128.5 or 8.5 below zero).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A non-float ``x``, an unknown format, a head size the block does not
+        divide, a NaN or infinite value, a ``scale`` where none is taken or
+        of the wrong shape, NaN, zero or negative: naming the argument.
+    """
+    return quantize_as(x, format, scale, "x")
+
+
+def quantize_as(x, format, scale, name, scale_name="scale"):
+    """``quantize``, with the argument names its messages use (``update``,
+    ``key``...: callers that quantise on write)."""
+    format = _format(format)
+    x = as_array(x, name)
+    if not is_attention_dtype(x.dtype):
+        raise TypeError(f"{name} has dtype {x.dtype}; quantize takes float16, bfloat16, float32, "
+                        f"float64 or an ml_dtypes float8 type")
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have rank >= 1 (blocks run along the last axis), got a 0-d array")
+    d = x.shape[-1]
+    if format in BLOCK_BYTES:
+        if scale is not None:
+            raise ValueError(f"{format} derives a scale per block of {BLOCK}; scale must be None, "
+                             f"got {scale!r}")
+        if d % BLOCK:
+            raise ValueError(f"{name}'s head size (last axis) {d} is not a multiple of {format}'s "
+                             f"block of {BLOCK}")
+        return _quantize_blocks(x, format, name)
+    if scale is None:
+        raise ValueError(f"{format} takes a given {scale_name}: a scalar (per tensor) or an array "
+                         f"broadcastable to (1, heads, 1, head_size) (per channel)")
+    if format == "int4" and d % 2:
+        raise ValueError(f"{name}'s head size (last axis) {d} is odd; int4 packs two codes per byte")
+    scale_view = _given_scale(scale, x.shape, scale_name)
+    wide = x.astype(np.float64)
+    _check_finite_values(wide, name)
+    lo, hi = CODE_RANGE[format]
+    codes = np.clip(np.rint(wide / scale_view), lo, hi).astype(np.int8)
+    if format == "int4":
+        nibbles = (codes + 8).astype(np.uint8)
+        codes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return QuantizedArray(format, codes, scale_view, _shape=x.shape)
+
+
+def _quantize_blocks(x, format, name):
+    """q8_0 / q4_0 of ``x`` (last axis a multiple of 32) as llama.cpp's blocks."""
+    qmax = _QMAX[format]
+    lo, hi = CODE_RANGE[format]
+    blocks = x.astype(np.float64).reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
+    _check_finite_values(blocks, name)
+    amax = np.abs(blocks).max(axis=-1, initial=0.0)
+    with np.errstate(over="ignore"):
+        d = (amax / qmax).astype(_FLOAT16)
+        short = d.astype(np.float64) * (qmax + 0.5) < amax  # rounding took d below what amax needs
+        d[short] = np.nextafter(d[short], _FLOAT16.type(np.inf))
+    if not np.isfinite(d).all():
+        at = np.unravel_index(int(np.argmin(np.isfinite(d))), d.shape)
+        raise ValueError(
+            f"{name} has a block of {format} at {tuple(map(int, at))} with largest magnitude "
+            f"{float(amax[at])!r}, beyond what a float16 scale holds "
+            f"({float(np.finfo(np.float16).max) * (qmax + 0.5):.6g})")
+    step = d.astype(np.float64)[..., None]
+    codes = np.zeros(blocks.shape, np.float64)
+    np.divide(blocks, step, out=codes, where=step != 0)
+    codes = np.clip(np.rint(codes, out=codes), lo, hi).astype(np.int8)
+    out = np.empty(blocks.shape[:-1] + (BLOCK_BYTES[format],), _UINT8)
+    out[..., :2] = d[..., None].view(_UINT8)
+    if format == "q8_0":
+        out[..., 2:] = codes.view(_UINT8)
+    else:
+        biased = (codes + 8).astype(_UINT8)
+        out[..., 2:] = biased[..., :BLOCK // 2] | (biased[..., BLOCK // 2:] << 4)
+    storage = out.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK * BLOCK_BYTES[format],))
+    return QuantizedArray(format, storage, _shape=x.shape)
+
+
+def _check_finite_values(wide, name):
+    if not np.isfinite(wide).all():
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmin(np.isfinite(wide))), wide.shape))
+        raise ValueError(f"{name} holds {float(wide[at])} (at {at}): a quantised format holds finite "
+                         f"values only")
+
+
+def _check_finite_scales(values, name, zero_ok=False):
+    bad = ~np.isfinite(values) | (values < 0 if zero_ok else values <= 0)
+    if bad.any():
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), values.shape))
+        value = float(values[at])
+        raise ValueError(f"{name} holds {value} (at {at}); a scale must be finite and "
+                         f"{'>= 0' if zero_ok else 'positive'}")
+
+
+def _given_scale(scale, shape, name):
+    """A given int8 / int4 scale as a read-only float32 view broadcast to
+    ``shape``: a single value (per tensor), or per channel, broadcastable to
+    ``(1, heads, 1, head_size)`` of a 4-D ``shape``."""
+    arr = as_array(scale, name)
+    if arr.dtype == np.bool_ or not (is_integer_dtype(arr.dtype) or arr.dtype in (_FLOAT16, _FLOAT32, _FLOAT64)):
+        raise TypeError(f"{name} must be a real number or a float array, got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):
+        arr = arr.astype(np.float32)
+    _check_finite_scales(arr, name)
+    if arr.size == 1 and arr.ndim <= len(shape):
+        arr = arr.reshape(())
+    else:
+        if len(shape) != 4:
+            raise ValueError(f"a per-channel {name} needs a 4-D (batch, heads, seq, head_size) array, "
+                             f"got shape {tuple(shape)}")
+        padded = (1,) * (4 - arr.ndim) + arr.shape if arr.ndim <= 4 else None
+        if padded is None or padded[0] != 1 or padded[2] != 1 or padded[1] not in (1, shape[1]) \
+                or padded[3] not in (1, shape[3]):
+            raise ValueError(f"{name} has shape {arr.shape}; a per-channel scale broadcasts to "
+                             f"(1, heads, 1, head_size) = (1, {shape[1]}, 1, {shape[3]})")
+        arr = arr.reshape(padded)
+    arr = np.array(arr)  # ours, so nobody changes it under the codes
+    arr.flags.writeable = False
+    return arr
+
+
+# -- tensor_scatter on a QuantizedArray --------------------------------------------
+
+
+def scatter_operands(past_cache, update, out, axis, in_place):
+    """``tensor_scatter``'s operands for a QuantizedArray ``past_cache``:
+    ``(past storage, update storage, out storage or None, wrap)``, every
+    check made and a float ``update`` quantised (with ``past_cache``'s
+    format, and scale for int8 / int4), before anything is written; ``wrap``
+    turns the storage ``tensor_scatter`` returns into the result.  The bits
+    move as any other array's (codes and scales together: q8_0 / q4_0 keep
+    them in one row)."""
+    fmt = past_cache.format
+    ndim = past_cache.ndim
+    if isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)) \
+            and -ndim <= axis < ndim and axis % ndim == ndim - 1:
+        raise ValueError(f"axis {axis} is the quantised last axis (head size); a QuantizedArray is "
+                         f"scattered along a sequence axis")
+    if isinstance(update, QuantizedArray):
+        if update.format != fmt:
+            raise TypeError(f"update has format {update.format}, past_cache has {fmt} (no implicit "
+                            f"conversion)")
+        if fmt not in BLOCK_BYTES and not past_cache.same_scales(update):
+            raise ValueError(f"update's {fmt} scale differs from past_cache's: codes of one cache "
+                             f"share one scale")
+    else:
+        update = as_array(update, "update")
+        if update.ndim != ndim:
+            raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
+        scale = None if fmt in BLOCK_BYTES else past_cache.scales
+        if update.shape[-1] != past_cache.shape[-1]:
+            raise ValueError(f"update.shape[{ndim - 1}] = {update.shape[-1]} does not match "
+                             f"past_cache.shape[{ndim - 1}] = {past_cache.shape[-1]}")
+        update = quantize_as(update, fmt, scale, "update", "past_cache's scale")
+    if update.ndim != ndim:
+        raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
+    if update.shape[-1] != past_cache.shape[-1]:
+        raise ValueError(f"update.shape[{ndim - 1}] = {update.shape[-1]} does not match "
+                         f"past_cache.shape[{ndim - 1}] = {past_cache.shape[-1]}")
+    out_storage = None
+    if in_place:
+        out_storage = past_cache.storage
+    elif out is not None:
+        if not isinstance(out, QuantizedArray):
+            raise TypeError(f"out must be a QuantizedArray like past_cache, got {type(out).__name__}")
+        if out.format != fmt or out.shape != past_cache.shape:
+            raise ValueError(f"out is a {out.format} array of shape {out.shape}, expected {fmt} of "
+                             f"shape {past_cache.shape}")
+        if fmt not in BLOCK_BYTES and not past_cache.same_scales(out):
+            raise ValueError(f"out's {fmt} scale differs from past_cache's")
+        out_storage = out.storage
+    scale = past_cache.scales
+
+    def wrap(storage):
+        if in_place or out is not None:
+            return out
+        return QuantizedArray(fmt, storage, scale, _shape=past_cache.shape)
+
+    return past_cache.storage, update.storage, out_storage, wrap
