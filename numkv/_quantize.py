@@ -502,3 +502,90 @@ def scatter_operands(past_cache, update, out, axis, in_place):
         return QuantizedArray(fmt, storage, scale, _shape=past_cache.shape)
 
     return past_cache.storage, update.storage, out_storage, wrap
+
+
+def zeros(format, shape):
+    """A q8_0 / q4_0 ``QuantizedArray`` of ``shape`` holding zeros (zero
+    codes and scales): a cache's buffer before anything is appended."""
+    format = _format(format)
+    if format not in BLOCK_BYTES:
+        raise ValueError(f"zeros takes q8_0 or q4_0 (int8 / int4 need a scale: quantize an array), "
+                         f"got {format!r}")
+    shape = tuple(shape)
+    if not shape or shape[-1] % BLOCK:
+        raise ValueError(f"the head size (last axis) {shape[-1] if shape else None} is not a multiple of "
+                         f"{format}'s block of {BLOCK}")
+    storage = np.zeros(shape[:-1] + (shape[-1] // BLOCK * BLOCK_BYTES[format],), _UINT8)
+    return QuantizedArray(format, storage, _shape=shape)
+
+
+# -- what numkv.attention needs of a QuantizedArray -------------------------------------
+
+_SCALED = ("int8", "int4")  # formats whose given scales fold into Q and Y
+
+
+def kind(x):
+    """What must agree between K and past_key (V and past_value): the dtype
+    of an array, the format of a QuantizedArray (as a string)."""
+    return x.format if type(x) is QuantizedArray else str(x.dtype)
+
+
+def check_attention_operand(x, name):
+    """A QuantizedArray as attention's K, V, past_key or past_value: 4-D
+    ``(batch, heads, seq, head_size)`` with contiguous rows, which is what
+    ``quantize`` and slicing give."""
+    if name == "Q":
+        raise TypeError("Q cannot be a QuantizedArray: numkv reads quantised K, V, past_key and "
+                        "past_value; pass Q as a float array")
+    if x.ndim != 4:
+        raise ValueError(f"{name} is a QuantizedArray of shape {x.shape}; attention takes it 4-D "
+                         f"(batch, heads, seq, head_size)")
+    return x
+
+
+def check_same_scales(past, new, past_name, name):
+    """``past`` (past_key / past_value) must match ``new`` (K / V): same format,
+    and for int8 / int4 the same scale (one scale folds into Q and Y)."""
+    if type(new) is QuantizedArray and new.format in _SCALED and not new.same_scales(past):
+        raise ValueError(f"{past_name}'s {new.format} scale differs from {name}'s: numkv folds one "
+                         f"scale into Q and Y")
+
+
+def kernel_array(x):
+    """The array the attention kernel reads for ``x``: its storage for a
+    QuantizedArray (rows of bytes, the last axis contiguous), else ``x``."""
+    if type(x) is not QuantizedArray:
+        return x
+    storage = x.storage
+    if storage.ndim and storage.strides[-1] != storage.itemsize:  # from_parts of a strided view only
+        storage = np.ascontiguousarray(storage)
+    return storage
+
+
+def folded_query(q, k, acc_dtype):
+    """Q with an int8 / int4 K's scale folded in (``q_d s_d``: the score
+    ``sum_d q_d (s_d c_d)`` becomes ``sum_d (q_d s_d) c_d``), as a new
+    ``acc_dtype`` array; Q itself for any other K."""
+    if type(k) is not QuantizedArray or k.format not in _SCALED:
+        return q
+    return q.astype(acc_dtype) * _per_query_head(k.scales, q.shape[1] // k.shape[1]).astype(acc_dtype)
+
+
+def output_scale(v, q_heads, acc_dtype):
+    """The factor Y takes for an int8 / int4 V (``y_d = s_d sum_j p_j c_jd / l``),
+    broadcastable to ``(B, Hq, Sq, Dv)``; None for any other V."""
+    if type(v) is not QuantizedArray or v.format not in _SCALED:
+        return None
+    return _per_query_head(v.scales, q_heads // v.shape[1]).astype(acc_dtype)
+
+
+def _per_query_head(scale, group):
+    """A kv head's scale for each of its ``group`` query heads."""
+    if scale.ndim and scale.shape[1] > 1 and group > 1:
+        return np.repeat(scale, group, axis=1)
+    return scale
+
+
+def dequantized(x, dtype):
+    """``x`` as ``dtype`` values (the reference path): a QuantizedArray dequantised."""
+    return x.dequantize(dtype) if type(x) is QuantizedArray else x.astype(dtype)
