@@ -26,15 +26,10 @@ import numpy as np
 
 from ._dtypes import is_cache_dtype
 from ._scatter import MODES, tensor_scatter
-from ._validate import as_array, as_int64, index_vector
+from ._validate import as_array, as_count, as_int64, index_vector
 
 
-def _count(value, name, minimum):
-    """A plain integer argument ``>= minimum`` (bools rejected, int64 at most)."""
-    value = as_int64(value, name)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+_count = as_count  # a plain integer argument >= minimum (bools rejected, int64 at most)
 
 
 def _as_kv(array, name):
@@ -116,6 +111,20 @@ class _KVCache:
             )
 
     # -- the write ---------------------------------------------------------
+    def _detach(self, key, value):
+        """``key`` and ``value``, copied where they may overlap a buffer this
+        append writes.  The key buffer is written before the value buffer is
+        read, so a value that is a view of the key buffer (or a key that is a
+        view of either) would otherwise be read after it was overwritten.
+        ``np.may_share_memory`` compares bounds only (no exact solve): a false
+        positive costs a copy of the new tokens, O(new tokens) like the write."""
+        buffers = [b for b in (self._k, self._v) if b is not None]
+        if any(np.may_share_memory(key, b) for b in buffers):
+            key = key.copy()
+        if any(np.may_share_memory(value, b) for b in buffers):
+            value = value.copy()
+        return key, value
+
     def _write(self, key, value, start, gained):
         """Scatter at each row's own position, in place: O(new tokens)."""
         if key.shape[2]:
@@ -205,7 +214,9 @@ class DynamicKVCache(_KVCache):
 
     MIN_CAPACITY = 16
 
-    def __init__(self):
+    def __init__(self, *, dtype=None):
+        # None: the first append's dtype; else every key and value must have this one.
+        self._dtype = None if dtype is None else _cache_dtype(dtype)
         self.reset()
 
     def reset(self):
@@ -216,8 +227,9 @@ class DynamicKVCache(_KVCache):
 
     @property
     def dtype(self):
-        """The stored dtype (``None`` before the first append)."""
-        return None if self._k is None else self._k.dtype
+        """The stored dtype: the constructor's, else the first append's
+        (``None`` before it)."""
+        return self._dtype if self._k is None else self._k.dtype
 
     @property
     def capacity(self):
@@ -239,7 +251,8 @@ class DynamicKVCache(_KVCache):
                 raise TypeError(f"key has dtype {key.dtype}, which a KV cache cannot hold "
                                 f"(a fixed-width TensorScatter type)")
             batch, heads, _, head_dim = key.shape
-            v_head_dim, dtype = value.shape[3], key.dtype
+            v_head_dim = value.shape[3]
+            dtype = key.dtype if self._dtype is None else self._dtype
             start = np.zeros(batch, np.int64)
         else:
             batch, heads, _, head_dim = self._k.shape
@@ -249,6 +262,7 @@ class DynamicKVCache(_KVCache):
         new = key.shape[2]
         gained = self._new_lengths(lengths, batch, new)
         # Validated: from here on nothing can fail but memory allocation.
+        key, value = self._detach(key, value)
         if self._k is None:
             shape = (batch, heads, max(self.MIN_CAPACITY, new))
             self._k = np.zeros(shape + (head_dim,), key.dtype)
@@ -395,10 +409,29 @@ class StaticKVCache(_KVCache):
                 raise ValueError(f"{new} new positions > max_seq_len {self.capacity} of the circular cache")
             high = np.maximum(self._high, start + new)
             self._check_ring(start + gained, high, "padding written by this append")
+            self._check_chunk(start, new)
+        key, value = self._detach(key, value)
         self._write(key, value, start, gained)
         if self.mode == "circular":
             self._high = high
         return self.get()
+
+    def _check_chunk(self, start, new):
+        """Circular mode: a chunk of ``new > max_chunk`` positions that wraps
+        the ring (``start[b] + new > max_seq_len``) overwrites, with its last
+        keys, keys of positions its first queries attend: refuse it before
+        anything is written (the caller can split it and try again).  A
+        longer chunk that does not wrap loses nothing."""
+        if new <= self.max_chunk:
+            return
+        bad = np.flatnonzero(start + new > self.capacity)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"an append of {new} positions > max_chunk = {self.max_chunk} (max_seq_len "
+                f"{self.capacity} - window {self.window} + 1) at row {b}'s position {start[b]} wraps "
+                f"the circular cache: its last keys would overwrite keys its first queries attend; "
+                f"append at most max_chunk positions at a time")
 
     def _check_ring(self, lens, high, culprit):
         """Circular mode: a later chunk of up to ``max_chunk`` queries from
