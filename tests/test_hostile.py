@@ -1,0 +1,250 @@
+"""Hostile input (issue 32) and the contract kept everywhere (issue 27).
+
+Each reproducer of the issues is a test here, and the class behind it:
+
+* a cache append whose key and value are views of the cache's own buffers
+  (crossed, overlapping, shifted) stores what they held before the append,
+  for every cache kind (hypothesis: random overlaps);
+* a circular cache refuses, before writing, a chunk that would overwrite keys
+  its own first queries attend;
+* every option of the layer, the decoder and ``generate`` is honoured on
+  every path (cached, uncached, chunked prefill) or refused, and bad
+  arguments are errors naming the argument.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import numkv
+from numkv.cache import DynamicKVCache, StaticKVCache
+from numkv.layers import CachedSelfAttention, Decoder
+
+KINDS = ("dynamic", "static", "circular")
+
+
+def _cache(kind, batch=2, heads=2, capacity=12, dim=3, window=None):
+    if kind == "dynamic":
+        return DynamicKVCache()
+    mode = "circular" if kind == "circular" else "linear"
+    if kind == "circular" and window is None:
+        window = capacity // 2
+    return StaticKVCache(batch, heads, capacity, dim, mode=mode, window=window)
+
+
+# --- appends that alias the cache's own buffers ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_crossed_views_of_the_buffers_are_read_before_written(kind):
+    """Issue 32.1: key = a view of the value buffer, value = a view of the key
+    buffer.  The key write overwrote the value's source before it was read."""
+    c = _cache(kind, batch=1, heads=1, capacity=4, dim=2, window=4 if kind == "circular" else None)
+    if kind == "dynamic":
+        c.append(np.zeros((1, 1, 1, 2), np.float32), np.zeros((1, 1, 1, 2), np.float32))
+        c.crop(0)
+    c._k[...] = 1.0
+    c._v[...] = 2.0
+    keys, values = c.append(c._v[:, :, :1], c._k[:, :, :1])  # key holds 2.0, value 1.0
+    assert keys.ravel().tolist() == [2.0, 2.0]
+    assert values.ravel().tolist() == [1.0, 1.0]
+
+
+def test_the_issue_reproducer():
+    c = numkv.StaticKVCache(1, 1, 4, 2)
+    c.key_buffer[...] = 1.0
+    c.value_buffer[...] = 2.0
+    c.append(c.value_buffer[:, :, :1], c.key_buffer[:, :, :1])
+    keys, values = c.get()
+    assert keys.tolist() == [[[[2.0, 2.0]]]] and values.tolist() == [[[[1.0, 1.0]]]]
+
+
+@given(kind=st.sampled_from(KINDS), fill=st.integers(1, 5), new=st.integers(1, 3),
+       key_src=st.sampled_from(["k", "v"]), value_src=st.sampled_from(["k", "v"]),
+       key_shift=st.integers(-4, 4), value_shift=st.integers(-4, 4), seed=st.integers(0, 2 ** 16))
+def test_aliased_appends_store_what_the_views_held(kind, fill, new, key_src, value_src, key_shift,
+                                                   value_shift, seed):
+    """Random overlaps of the new keys / values with either buffer, around
+    the write position (before, across or after it): the result equals
+    appending copies taken before the call."""
+    rng = np.random.default_rng(seed)
+    cache = _cache(kind, capacity=12, window=12 - 3 + 1 if kind == "circular" else None)  # max_chunk 3
+    data = rng.standard_normal((2, 2, fill, 3)).astype(np.float32)
+    cache.append(data, -data)
+    bufs = {"k": cache._k, "v": cache._v}
+    for buf in bufs.values():  # stale slots past the rows' ends hold data too
+        buf[:, :, fill:] = rng.standard_normal(buf[:, :, fill:].shape)
+    capacity = bufs["k"].shape[2]
+    key_at = int(np.clip(fill + key_shift, 0, capacity - new))
+    value_at = int(np.clip(fill + value_shift, 0, capacity - new))
+    key = bufs[key_src][:, :, key_at:key_at + new]
+    value = bufs[value_src][:, :, value_at:value_at + new]
+    expected = copy.deepcopy(cache)
+    want = expected.append(key.copy(), value.copy())
+    got = cache.append(key, value)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(cache.seq_lens, expected.seq_lens)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_over_a_cache_fed_its_own_views(kind):
+    """CachedSelfAttention appends through the same path: a cache whose
+    buffers it wrote keeps agreeing with recomputation after it."""
+    layer = CachedSelfAttention(8, 2, seed=1)
+    cache = layer.new_cache(1, None if kind == "dynamic" else 8, mode="circular" if kind == "circular" else "linear",
+                            window=8 if kind == "circular" else None)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    y = layer(x, cache, True)
+    np.testing.assert_allclose(y, layer(x), rtol=1e-5, atol=1e-5)
+
+
+# --- the ring refuses a chunk it cannot serve, before writing ------------------------
+
+
+def test_circular_refuses_a_wrapping_chunk_longer_than_max_chunk():
+    """Issue 27: an append longer than max_chunk that wraps the ring was
+    written (its last keys overwriting keys its first queries need) and only
+    ``attention_inputs()`` refused, too late.  Now the append refuses first."""
+    cache = StaticKVCache(1, 1, 8, 2, mode="circular", window=6)  # max_chunk 3
+    k = np.arange(12, dtype=np.float32).reshape(1, 1, 6, 2)
+    cache.append(k, k)
+    before = (cache._k.copy(), cache._v.copy(), cache.seq_lens)
+    with pytest.raises(ValueError, match="max_chunk = 3.*wraps the circular cache"):
+        cache.append(k[:, :, :4], k[:, :, :4])
+    np.testing.assert_array_equal(cache._k, before[0])
+    np.testing.assert_array_equal(cache._v, before[1])
+    np.testing.assert_array_equal(cache.seq_lens, before[2])
+    cache.append(k[:, :, :3], k[:, :, :3])  # max_chunk positions: served
+    assert cache.attention_inputs()["attn_mask"].shape == (1, 1, 3, 8)
+
+
+# --- every option honoured on every path, or refused -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return Decoder("tiny", seed=0)
+
+
+PROMPTS = [np.arange(1, 9), np.arange(20, 31)]
+
+
+def test_generate_honours_window_with_linear_caches(decoder):
+    """Issue 32.2: cache="dynamic" | "static" ignored ``window``."""
+    ref = decoder.generate(PROMPTS, 4, window=3)[0]
+    assert ref.tolist() == [[234, 226, 4, 189], [177, 148, 156, 95]]
+    for kind in ("dynamic", "static"):
+        np.testing.assert_array_equal(decoder.generate(PROMPTS, 4, cache=kind, window=3)[0], ref)
+
+
+@pytest.fixture(scope="module")
+def uncached(decoder):
+    return {w: decoder.generate(PROMPTS, 4, window=w) for w in (None, 2, 5)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 2, 5])
+@pytest.mark.parametrize("prefill_chunk", [None, 1, 3])
+def test_every_option_through_every_cache_kind(decoder, uncached, kind, window, prefill_chunk):
+    if kind == "circular" and window is None:
+        pytest.skip("a circular cache needs a window")
+    tokens, logits = decoder.generate(PROMPTS, 4, cache=kind, window=window, prefill_chunk=prefill_chunk)
+    np.testing.assert_array_equal(tokens, uncached[window][0])
+    np.testing.assert_allclose(logits, uncached[window][1], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_honours_the_cache_dtype(decoder, uncached, kind):
+    """``dtype`` reaches every cache kind (a DynamicKVCache took float32)."""
+    window = 5 if kind == "circular" else None
+    exact = decoder.generate(PROMPTS, 4, cache=kind, window=window)[1]
+    low = decoder.generate(PROMPTS, 4, cache=kind, window=window, dtype=np.float16)[1]
+    assert not np.array_equal(low, exact)
+    np.testing.assert_allclose(low[:, 0], exact[:, 0], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=np.float16), "dtype is the caches' dtype"),
+    (dict(prefill_chunk=2), "prefill_chunk splits the caches' prefill"),
+    (dict(slots=4), "slots is the capacity of a 'circular' cache"),
+    (dict(cache="static", slots=4), "slots is the capacity"),
+    (dict(cache="circular", window=4, slots=3), "slots 3 < window 4"),
+])
+def test_generate_refuses_options_it_would_ignore(decoder, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        decoder.generate(PROMPTS, 2, **kwargs)
+
+
+def test_dynamic_cache_takes_a_dtype():
+    cache = DynamicKVCache(dtype=np.float16)
+    assert cache.dtype == np.float16
+    with pytest.raises(TypeError, match="cache holds float16"):
+        cache.append(np.zeros((1, 1, 1, 2), np.float32), np.zeros((1, 1, 1, 2), np.float32))
+    assert cache.seq_len == 0
+    cache.append(np.zeros((1, 1, 1, 2), np.float16), np.zeros((1, 1, 1, 2), np.float16))
+    cache.reset()
+    assert cache.dtype == np.float16
+
+
+# --- arguments checked up front, named in the error -------------------------------------
+
+
+def _x(batch=1, seq=2, embed=8):
+    return np.ones((batch, seq, embed), np.float32)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: CachedSelfAttention("16", 4), TypeError, "embed_dim must be an integer"),
+    (lambda: CachedSelfAttention(16, 0), ValueError, "num_heads must be >= 1"),
+    (lambda: CachedSelfAttention(16, 4, 3), ValueError, "num_heads .* multiple of num_kv_heads"),
+    (lambda: CachedSelfAttention(16, 4, seed=-1), ValueError, "seed must be >= 0"),
+    (lambda: CachedSelfAttention(16, 4, head_dim=2.0), TypeError, "head_dim must be an integer"),
+    (lambda: CachedSelfAttention(16, 4, rope_base=-1.0), ValueError, "rope_base must be a positive"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), cache=object(), use_cache=True), TypeError,
+     "cache must be a numkv DynamicKVCache or StaticKVCache, got object"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), window="a"), TypeError, "window must be an integer"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), window=0), ValueError, "window must be >= 1"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), use_cache="yes"), TypeError, "use_cache must be True or False"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), DynamicKVCache()), ValueError, "use_cache=False"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), StaticKVCache(1, 1, 8, 4), True), ValueError,
+     "cache has kv heads 1, the layer's input needs 2"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), StaticKVCache(3, 2, 8, 4), True), ValueError,
+     "cache has batch size 3"),
+    (lambda: CachedSelfAttention(8, 2)(_x().astype(bool)), TypeError, "x must hold numbers"),
+    (lambda: Decoder("tiny", seed=-1), ValueError, "seed must be >= 0"),
+    (lambda: Decoder(["tiny"]), ValueError, "size must be one of"),
+    (lambda: Decoder("tiny", num_layers=0), ValueError, "num_layers must be >= 1"),
+    (lambda: Decoder("tiny", rope_base="x"), TypeError, "rope_base must be a number"),
+    (lambda: Decoder("tiny")(np.ones((1, 2), int), caches=DynamicKVCache()), TypeError,
+     "caches must be a sequence"),
+    (lambda: Decoder("tiny")(np.ones((1, 2), int), caches=[object(), object()]), TypeError,
+     r"caches\[0\] must be a numkv"),
+    (lambda: Decoder("tiny")(np.ones((1, 2), int), window=-1), ValueError, "window must be >= 1"),
+    (lambda: Decoder("tiny").generate(PROMPTS, 2, cache="static", prefill_chunk=-1), ValueError,
+     "prefill_chunk must be >= 1"),
+    (lambda: Decoder("tiny").generate(PROMPTS, 2, cache="static", prefill_chunk=0), ValueError,
+     "prefill_chunk must be >= 1"),
+    (lambda: Decoder("tiny").generate(PROMPTS, -1), ValueError, "new_tokens must be >= 0"),
+    (lambda: Decoder("tiny").generate(PROMPTS, 2.5), TypeError, "new_tokens must be an integer"),
+    (lambda: Decoder("tiny").generate(PROMPTS, 2, window="3"), TypeError, "window must be an integer"),
+    (lambda: Decoder("tiny").generate(PROMPTS, 2, progress=3), TypeError, "progress must be callable"),
+    (lambda: Decoder("tiny").generate([np.array([1.5, 2.0])], 2), TypeError, r"prompts\[0\] must hold integer"),
+    (lambda: Decoder("tiny").generate([np.array([1, 999])], 2), ValueError, r"prompts\[0\] has tokens outside"),
+    (lambda: Decoder("tiny").generate(3, 2), TypeError, "prompts must be a sequence"),
+    (lambda: Decoder("tiny").new_caches("static", 2), ValueError, "a 'static' cache needs max_seq_len"),
+    (lambda: Decoder("tiny").new_caches("dynamic", 2, 8), ValueError, "max_seq_len applies to"),
+    (lambda: Decoder("tiny").new_caches("static", 2, 8, window=3), ValueError, "window makes a 'circular'"),
+    (lambda: CachedSelfAttention(8, 2).new_cache(1, mode="circular"), ValueError, "needs max_seq_len"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_arguments_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_generate_with_no_new_tokens(decoder):
+    for kind in (None, "static"):
+        tokens, logits = decoder.generate(PROMPTS, 0, cache=kind)
+        assert tokens.shape == (2, 0) and logits.shape == (2, 0, decoder.vocab_size)
