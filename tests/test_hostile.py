@@ -248,3 +248,139 @@ def test_generate_with_no_new_tokens(decoder):
     for kind in (None, "static"):
         tokens, logits = decoder.generate(PROMPTS, 0, cache=kind)
         assert tokens.shape == (2, 0) and logits.shape == (2, 0, decoder.vocab_size)
+
+
+# --- the plain NumPy path keeps API.md's NaN / Inf rules ------------------------------
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("rule", ["nonpad", "causal", "window", "bool-mask", "float-mask"])
+def test_reference_path_ignores_excluded_non_finite_keys(monkeypatch, rule, value):
+    """Issue 27: with NUMKV_REFERENCE=1, a key excluded by nonpad_kv_seqlen
+    (or mask / causal / window) holding inf or NaN turned every row NaN."""
+    from numkv import _config
+
+    monkeypatch.setattr(_config, "REFERENCE", True)
+    rng = np.random.default_rng(3)
+    sq = 40 if rule == "causal" else 5
+    q = rng.standard_normal((1, 4, sq, 8), np.float32)
+    k = rng.standard_normal((1, 2, 40, 8), np.float32)
+    v = rng.standard_normal((1, 2, 40, 8), np.float32)
+    attrs, excluded, rows = {}, np.zeros(40, bool), slice(None)
+    if rule == "nonpad":
+        attrs["nonpad_kv_seqlen"] = np.array([30])
+        excluded[30:] = True
+    elif rule == "causal":
+        attrs["is_causal"] = True
+        excluded[20:] = True
+        rows = slice(0, 20)
+    elif rule == "window":
+        attrs.update(left_window_size=2, right_window_size=0)
+        excluded[5:] = True
+    else:
+        excluded[10:30] = True
+        mask = ~excluded[None, None, None, :]
+        attrs["attn_mask"] = mask if rule == "bool-mask" else np.where(mask, 0.0, -np.inf).astype(np.float32)
+    clean = numkv.attention(q, k, v, **attrs)[:, :, rows]
+    k[:, :, excluded] = value
+    v[:, :, excluded] = value
+    y = numkv.attention(q, k, v, **attrs)[:, :, rows]
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, clean, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(_config, "REFERENCE", False)  # the kernel agrees
+    np.testing.assert_allclose(numkv.attention(q, k, v, **attrs)[:, :, rows], y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["q", "k-attended", "v-attended", "v-underflowed"])
+def test_reference_path_keeps_the_nan_of_attended_keys(monkeypatch, where):
+    """...while NaN / inf in what a query does attend still reaches its row,
+    as on the kernel's path (an attended key multiplies its V even when its
+    weight underflowed to 0: ``0 * inf``)."""
+    from numkv import _config
+
+    rng = np.random.default_rng(4)
+    q = np.abs(rng.standard_normal((1, 2, 3, 8), np.float32))
+    k = rng.standard_normal((1, 1, 12, 8), np.float32)
+    v = rng.standard_normal((1, 1, 12, 8), np.float32)
+    if where == "q":
+        q[0, 1, 2, 0] = np.nan
+    elif where == "k-attended":
+        k[0, 0, 4, 1] = np.nan
+    elif where == "v-attended":
+        v[0, 0, 4, 1] = np.inf
+    else:
+        k[0, 0, 4] = -1000.0
+        v[0, 0, 4, 1] = np.inf
+    got = {}
+    for reference in (True, False):
+        monkeypatch.setattr(_config, "REFERENCE", reference)
+        got[reference] = numkv.attention(q, k, v)
+    assert np.array_equal(np.isnan(got[True]), np.isnan(got[False]))
+    assert not np.isfinite(got[True]).all()
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)  # inf == inf, nan == nan
+
+
+# --- numkv.onnx on zero-size shapes -----------------------------------------------------
+
+# (Q shape, K/V shape, attributes, whether onnx.reference 1.23.2 answers: it
+# fails itself on an empty K and on 3-D inputs with no query, where the
+# shapes are still determined)
+ZERO_SIZE = {
+    "q-seq-0": ((1, 2, 0, 4), (1, 2, 3, 4), {}, True),
+    "batch-0": ((0, 2, 3, 4), (0, 2, 3, 4), {}, True),
+    "q-heads-0": ((1, 0, 3, 4), (1, 1, 3, 4), {}, True),
+    "kv-seq-0": ((1, 2, 3, 4), (1, 2, 0, 4), {"is_causal": 1}, False),
+    "3d-q-seq-0": ((1, 0, 8), (1, 3, 8), {"q_num_heads": 2, "kv_num_heads": 2}, False),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_SIZE)
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_onnx_attention_on_zero_size_shapes(case, mode):
+    """Issue 32.3: numkv.onnx.attention failed with 'cannot reshape array of
+    size 0' where numkv.attention (and onnx.reference, where it answers) do."""
+    pytest.importorskip("onnx")
+    import numkv.onnx
+    import oracle
+
+    q_shape, kv_shape, attrs, reference_answers = ZERO_SIZE[case]
+    Q, K = np.zeros(q_shape, np.float32), np.ones(kv_shape, np.float32)
+    got = numkv.onnx.attention(Q, K, K, qk_matmul_output_mode=mode, **attrs)
+    y = numkv.attention(Q, K, K, **attrs)
+    assert got[0].shape == y.shape and got[0].dtype == np.float32
+    np.testing.assert_array_equal(got[0], y)
+    if reference_answers:
+        want = oracle.attention(Q, K, K, qk_matmul_output_mode=mode, float64=False, **attrs)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == np.float32
+            np.testing.assert_array_equal(g, w)
+    else:
+        b = q_shape[0]
+        hq, hkv = (q_shape[1], kv_shape[1]) if len(q_shape) == 4 else (attrs["q_num_heads"], attrs["kv_num_heads"])
+        sq, skv = q_shape[-2], kv_shape[-2]
+        d = (kv_shape[3] if len(kv_shape) == 4 else kv_shape[2] // hkv)
+        assert got[1].shape == got[2].shape == (b, hkv, skv, d)
+        assert got[3].shape == (b, hq, sq, skv)
+
+
+@pytest.mark.parametrize("case", ["q-seq-0", "batch-0", "kv-seq-0"])
+def test_onnx_evaluator_on_zero_size_shapes_with_every_output(case):
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+
+    import numkv.onnx
+
+    q_shape, kv_shape, attrs, _ = ZERO_SIZE[case]
+    f = onnx.TensorProto.FLOAT
+    outputs = ["Y", "present_key", "present_value", "qk"]
+    node = helper.make_node("Attention", ["Q", "K", "V"], outputs, **attrs)
+    graph = helper.make_graph([node], "zero", [helper.make_tensor_value_info(n, f, None) for n in "QKV"],
+                              [helper.make_tensor_value_info(o, f, None) for o in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    feeds = {"Q": np.zeros(q_shape, np.float32), "K": np.ones(kv_shape, np.float32),
+             "V": np.ones(kv_shape, np.float32)}
+    got = numkv.onnx.evaluator(model).run(None, feeds)
+    assert [g.shape for g in got] == [r.shape for r in numkv.onnx.attention(*feeds.values(), **attrs)]
+    if case != "kv-seq-0":  # onnx.reference cannot take an empty K
+        want = onnx.reference.ReferenceEvaluator(model).run(None, feeds)
+        assert [g.shape for g in got] == [w.shape for w in want]
