@@ -491,6 +491,9 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
     acc_dtype = _accumulation_dtype(Q.dtype, softmax_precision, softcap)
     mask = None
     if attn_mask is not None:
+        attn_mask = _mask_array(attn_mask)
+        if acc_dtype == _FLOAT32 and _beyond_float32(attn_mask):
+            acc_dtype = _FLOAT64
         mask, mask_len = _mask_view(attn_mask, (b, hq, sq, total), acc_dtype)
         np.minimum(valid, mask_len, out=valid)  # keys past the mask's end are -inf
 
@@ -527,6 +530,10 @@ def _float_input(x, name):
     if x is None:
         raise TypeError(f"{name} is required")
     x = as_array(x, name)
+    if not x.dtype.isnative:  # read in place, never copied: say how to make it native
+        raise TypeError(
+            f"{name} has dtype {x.dtype.str} in non-native byte order; pass "
+            f"{name}.astype({name}.dtype.newbyteorder('=')) (numkv reads Q, K and V in place)")
     if not is_attention_dtype(x.dtype):
         raise TypeError(
             f"{name} has dtype {x.dtype}; Attention takes float16, bfloat16, float32, float64 "
@@ -608,14 +615,35 @@ def _window(value, name, unbounded):
     return -1 if value >= unbounded else value
 
 
-def _mask_view(attn_mask, target, acc_dtype):
-    """The mask as an additive ``acc_dtype`` broadcast view of shape
-    ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
+def _mask_array(attn_mask):
+    """``attn_mask`` as an ndarray of a mask dtype in native byte order (every
+    dtype alike: a big-endian float mask is read like a big-endian integer
+    one, through a native copy -- the mask is converted anyway)."""
     mask = as_array(attn_mask, "attn_mask")
+    if not mask.dtype.isnative:
+        mask = mask.astype(mask.dtype.newbyteorder("="))
     if not is_mask_dtype(mask.dtype):
         raise TypeError(
             f"attn_mask has dtype {mask.dtype}; it must be bool, an integer, or a float type "
             f"Attention takes (float16, bfloat16, float32, float64, float8)")
+    return mask
+
+
+def _beyond_float32(mask):
+    """Whether a float64 mask holds finite values float32 cannot (|x| above
+    its max): cast, they would become inf and an attended +inf a NaN row
+    (``inf - inf``), where the reference, adding them in float64, gives
+    finite values.  Such a mask makes the call accumulate in float64, which
+    gives the reference's values (as a softcap beyond float32 does)."""
+    if mask.dtype != _FLOAT64 or not mask.size:
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(((np.abs(mask) > _F32_MAX) & np.isfinite(mask)).any())
+
+
+def _mask_view(mask, target, acc_dtype):
+    """The mask (from ``_mask_array``) as an additive ``acc_dtype`` broadcast
+    view of shape ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
     if not 1 <= mask.ndim <= 4:
         raise ValueError(f"attn_mask must have rank 1 to 4, got rank {mask.ndim}")
     b, hq, sq, total = target
