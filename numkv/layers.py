@@ -12,13 +12,19 @@ The weights are seeded random float32 arrays: these models exist to exercise
 and time the caches (``python -m numkv demo``), not to say anything sensible.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
 from ._validate import as_array, as_count, as_flag, as_float, index_vector
 from .cache import DynamicKVCache, StaticKVCache, _KVCache
+
+if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
+    from numpy.typing import DTypeLike
 
 
 def _attention(Q, K, V, **kwargs):
@@ -87,32 +93,61 @@ def _init(rng, fan_in, fan_out, scale=1.0):
 class CachedSelfAttention:
     """Causal multi-head self-attention with an optional KV cache.
 
-    ``CachedSelfAttention(embed_dim, num_heads, num_kv_heads=None, *, seed=0)``
-    holds float32 ``w_q (E, Hq*D)``, ``w_k``/``w_v (E, Hkv*D)``, ``w_o (Hq*D, E)``
-    with ``D = embed_dim // num_heads``.  ``head_dim`` overrides ``D``;
-    ``rope_base`` turns on rotary position embedding of queries and keys.
+    Holds float32 seeded random weights ``w_q (E, Hq*D)``, ``w_k``/``w_v
+    (E, Hkv*D)`` and ``w_o (Hq*D, E)``.
 
-    ``layer(x, cache=None, use_cache=False)`` maps ``x`` ``(B, S, E)`` to ``y``
-    of the same shape:
+    Parameters
+    ----------
+    embed_dim : int
+        ``E``, the size of each token's vector (>= 1).
+    num_heads : int
+        Query heads ``Hq`` (>= 1).
+    num_kv_heads : int, optional
+        Key/value heads ``Hkv`` (GQA/MQA when fewer than ``Hq``; ``Hq`` must
+        be a multiple).  Default ``num_heads``.
+    seed : int, default 0
+        Seed of the weights (>= 0).
+    head_dim : int, optional
+        ``D``; default ``embed_dim // num_heads`` (which must divide).
+    rope_base : float, optional
+        Turns on rotary position embedding of queries and keys with this
+        base (positive; ``D`` must be even).
+
+    Notes
+    -----
+    ``layer(x, cache=None, use_cache=False, *, lengths=None, window=None)``
+    maps ``x`` ``(B, S, E)`` to ``y`` of the same shape (float32):
 
     * without a cache, causal attention over ``x`` itself
       (``numkv.attention(..., is_causal=True)``);
     * with ``use_cache=True``, the new keys/values are appended to ``cache`` (a
-      ``DynamicKVCache`` or ``StaticKVCache``, any dtype: keys/values are cast
-      to it here, explicitly) and the queries attend everything cached with the
-      offset causal mask: query ``i`` of row ``b`` sits at absolute position
-      ``seq_lens[b] + i``.  Multi-token inputs (chunked prefill) and ragged
-      rows work; a circular cache's window applies, and inputs longer than its
-      ``max_chunk`` are split into chunks.
+      ``DynamicKVCache`` or ``StaticKVCache``, any float dtype: keys/values are
+      cast to it here, explicitly) and the queries attend everything cached
+      with the offset causal mask: query ``i`` of row ``b`` sits at absolute
+      position ``seq_lens[b] + i``.  Multi-token inputs (chunked prefill) and
+      ragged rows work; a circular cache's window applies, and inputs longer
+      than its ``max_chunk`` are split into chunks.
 
-    Keyword-only extras: ``lengths`` ``(B,)`` — real tokens per row of a
-    right-padded ``x`` (the cache counts only those); ``window`` — attend only
-    the last ``window`` positions (sliding-window attention; must match a
-    circular cache's own window).
+    ``lengths`` ``(B,)``: real tokens per row of a right-padded ``x`` (the
+    cache counts only those; outputs at padding positions are meaningless).
+    ``window``: attend only the last ``window`` positions (sliding-window
+    attention, on every path; must match a circular cache's own window).
+    A cache given with ``use_cache=False`` is refused rather than ignored.
+
+    Examples
+    --------
+    >>> import numpy as np, numkv
+    >>> layer = numkv.CachedSelfAttention(64, 8, 2)           # E=64, 8 query heads, 2 kv heads
+    >>> cache = layer.new_cache(batch_size=1, max_seq_len=32)
+    >>> x = np.ones((1, 5, 64), np.float32)
+    >>> y = layer(x, cache, use_cache=True)                      # prefill 5 tokens
+    >>> y = layer(x[:, -1:], cache, use_cache=True)              # one decode step
+    >>> y.shape, cache.seq_lens.tolist()
+    ((1, 1, 64), [6])
     """
 
-    def __init__(self, embed_dim, num_heads, num_kv_heads=None, *, seed=0, head_dim=None,
-                 rope_base=None):
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 seed: int = 0, head_dim: int | None = None, rope_base: float | None = None) -> None:
         embed_dim = as_count(embed_dim, "embed_dim", 1)
         num_heads = as_count(num_heads, "num_heads", 1)
         num_kv_heads = num_heads if num_kv_heads is None else as_count(num_kv_heads, "num_kv_heads", 1)
@@ -140,9 +175,26 @@ class CachedSelfAttention:
         self.w_v = _init(rng, embed_dim, num_kv_heads * head_dim)
         self.w_o = _init(rng, num_heads * head_dim, embed_dim)
 
-    def new_cache(self, batch_size, max_seq_len=None, *, dtype=np.float32, mode="linear", window=None):
-        """A cache shaped for this layer: ``DynamicKVCache(dtype=dtype)`` when
-        ``max_seq_len`` is None, else a ``StaticKVCache``."""
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None, *, dtype: DTypeLike = np.float32,
+                  mode: str = "linear", window: int | None = None) -> DynamicKVCache | StaticKVCache:
+        """A cache shaped for this layer (``num_kv_heads`` heads of ``head_dim``).
+
+        Parameters
+        ----------
+        batch_size : int
+            Rows of the inputs the cache will serve.
+        max_seq_len : int, optional
+            None: a ``DynamicKVCache(dtype=dtype)`` (linear, grows); else a
+            ``StaticKVCache`` of this many positions per row.
+        dtype : dtype, default float32
+            The cache's dtype (a float type the layer can attend).
+        mode, window
+            A ``StaticKVCache``'s (``"circular"`` and its window need ``max_seq_len``).
+
+        Returns
+        -------
+        DynamicKVCache or StaticKVCache
+        """
         if max_seq_len is None:
             if mode != "linear" or window is not None:
                 raise ValueError("a circular cache (mode, window) needs max_seq_len: a DynamicKVCache "
@@ -156,7 +208,21 @@ class CachedSelfAttention:
         b, s, _ = x.shape
         return x.reshape(b, s, heads, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x, cache=None, use_cache=False, *, lengths=None, window=None):
+    def __call__(self, x: np.ndarray, cache: DynamicKVCache | StaticKVCache | None = None,
+                 use_cache: bool = False, *, lengths: np.ndarray | None = None,
+                 window: int | None = None) -> np.ndarray:
+        """``y`` ``(B, S, E)`` float32 for ``x`` ``(B, S, E)``: see the class notes.
+
+        Raises
+        ------
+        TypeError
+            ``x`` not numbers, ``cache`` not a numkv cache, ``use_cache`` not a
+            bool, ``window`` / ``lengths`` not integers.
+        ValueError
+            Shapes that do not fit the layer or the cache, ``use_cache``
+            without a cache (or a cache without it), ``window < 1``; the cache
+            is left unchanged.
+        """
         x = as_array(x, "x")
         if not is_attention_dtype(x.dtype) and not is_integer_dtype(x.dtype):
             raise TypeError(f"x must hold numbers (a float or integer dtype), got dtype {x.dtype}")
@@ -285,16 +351,42 @@ class Decoder:
 
     Token embedding, ``num_layers`` blocks (RMSNorm, rotary GQA
     ``CachedSelfAttention``, SwiGLU MLP), a final RMSNorm and an output head
-    tied to the embedding.  ``size`` picks a preset of ``PRESETS``
-    (``"tiny"``, ``"small"``, ``"base"``); keyword overrides change any field.
+    tied to the embedding.  It exists to exercise and time the caches, not to
+    say anything sensible.
 
+    Parameters
+    ----------
+    size : {"tiny", "small", "base"}
+        A preset of ``PRESETS``.
+    seed : int, default 0
+        Seed of the weights (>= 0).
+    **overrides
+        Any field of the preset: ``embed_dim``, ``num_layers``, ``num_heads``,
+        ``num_kv_heads``, ``mlp_dim``, ``vocab_size`` (integers >= 1),
+        ``rope_base``, ``input_scale`` (positive numbers).
+
+    Notes
+    -----
     ``decoder(tokens, caches=None, *, lengths=None, window=None)`` maps int
-    tokens ``(B, S)`` to float32 logits ``(B, S, vocab_size)``; ``caches`` is one
-    cache per layer (``new_caches``), ``lengths`` the real tokens per row of a
-    right-padded batch.  ``generate`` decodes greedily.
+    tokens ``(B, S)`` to float32 logits ``(B, S, vocab_size)``; ``caches`` is
+    one cache per layer (``new_caches``), ``lengths`` the real tokens per row
+    of a right-padded batch, ``window`` a sliding window (on every path).
+    ``generate`` decodes greedily.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numkv.layers import Decoder
+    >>> decoder = Decoder("tiny", seed=0)
+    >>> prompts = [np.arange(1, 9), np.arange(20, 31)]          # two prompts, 8 and 11 tokens
+    >>> tokens, logits = decoder.generate(prompts, 4, cache="static")
+    >>> tokens.shape, logits.shape
+    ((2, 4), (2, 4, 256))
+    >>> bool((tokens == decoder.generate(prompts, 4)[0]).all())  # == recomputing without a cache
+    True
     """
 
-    def __init__(self, size="tiny", *, seed=0, **overrides):
+    def __init__(self, size: str = "tiny", *, seed: int = 0, **overrides) -> None:
         if not isinstance(size, str) or size not in PRESETS:
             raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
         seed = _seed(seed)
@@ -327,10 +419,31 @@ class Decoder:
     def vocab_size(self):
         return self.config["vocab_size"]
 
-    def new_caches(self, kind, batch_size, max_seq_len=None, *, dtype=np.float32, window=None):
-        """One cache per layer: ``kind`` ``"dynamic"``, ``"static"`` (linear,
-        ``max_seq_len`` positions) or ``"circular"`` (``window`` positions
-        attended in a ring of ``max_seq_len`` slots, default ``2 * window``)."""
+    def new_caches(self, kind: str, batch_size: int, max_seq_len: int | None = None, *,
+                   dtype: DTypeLike = np.float32, window: int | None = None) -> list:
+        """One cache per layer.
+
+        Parameters
+        ----------
+        kind : {"dynamic", "static", "circular"}
+            ``"dynamic"``: ``DynamicKVCache`` (no ``max_seq_len``);
+            ``"static"``: linear ``StaticKVCache`` of ``max_seq_len`` positions;
+            ``"circular"``: ``window`` positions attended in a ring of
+            ``max_seq_len`` slots (default ``2 * window``).
+        batch_size : int
+            Rows.
+        max_seq_len : int, optional
+            See ``kind``.
+        dtype : dtype, default float32
+            The caches' dtype.
+        window : int, optional
+            The ring's window: circular caches only (for a linear cache, pass
+            ``window`` to the decoder's call).
+
+        Returns
+        -------
+        list of DynamicKVCache or StaticKVCache
+        """
         if not isinstance(kind, str) or kind not in CACHE_KINDS:
             raise ValueError(f"kind must be one of {CACHE_KINDS}, got {kind!r}")
         as_count(batch_size, "batch_size", 0)
@@ -356,7 +469,10 @@ class Decoder:
                                                    window=window))
         return caches
 
-    def __call__(self, tokens, caches=None, *, lengths=None, window=None):
+    def __call__(self, tokens: np.ndarray, caches: Sequence | None = None, *,
+                 lengths: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
+        """Logits ``(B, S, vocab_size)`` float32 for int ``tokens`` ``(B, S)``
+        (see the class notes); with ``caches`` the tokens are appended to them."""
         tokens = as_array(tokens, "tokens")
         if tokens.ndim != 2 or not is_integer_dtype(tokens.dtype):
             raise ValueError(f"tokens must be a 2-D integer array (batch, seq), got {tokens.dtype} {tokens.shape}")
@@ -380,26 +496,57 @@ class Decoder:
             x = block(x, None if caches is None else caches[i], lengths, window)
         return _dense(self.norm(x), self.embedding.T)
 
-    def generate(self, prompts, new_tokens, *, cache=None, dtype=np.float32, window=None,
-                 slots=None, prefill_chunk=None, progress=None):
+    def generate(self, prompts: Sequence, new_tokens: int, *, cache: str | None = None,
+                 dtype: DTypeLike = np.float32, window: int | None = None, slots: int | None = None,
+                 prefill_chunk: int | None = None,
+                 progress: Callable[[int, int], object] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Greedy decoding of ``new_tokens`` tokens after each prompt.
 
-        ``prompts``: a sequence of 1-D int arrays of different (non-zero)
-        lengths.  ``cache`` names the kind of caches to use, not a cache
-        object: None recomputes the whole prefix every step (with ``window``:
-        sliding-window attention); ``"dynamic"``, ``"static"`` or
-        ``"circular"`` make one cache of that kind per layer
-        (``new_caches``), prefill the right-padded prompts into them (in
-        chunks of ``prefill_chunk`` tokens if given), in ``dtype``, and then
-        decode one token per row per step, each row at its own position.
-        (To decode with caches of your own, call ``decoder(tokens, caches)``
-        step by step.)
-        ``slots``: the circular cache's capacity (default ``window`` + the
-        longest prompt - 1, so prefill needs one chunk).  ``progress(done, total)``
-        is called after each token.
+        Every option is honoured on every path it applies to (uncached,
+        cached, chunked prefill) and refused (``ValueError``) where it does
+        not apply, never ignored.
 
-        Returns ``(tokens, logits)``: int64 ``(B, new_tokens)`` and the float32
-        ``(B, new_tokens, vocab_size)`` logits each token was picked from.
+        Parameters
+        ----------
+        prompts : sequence of 1-D int arrays
+            At least one prompt, each of at least one token in
+            ``[0, vocab_size)``; lengths may differ (ragged batch).
+        new_tokens : int
+            Tokens to generate per prompt (>= 0).
+        cache : {None, "dynamic", "static", "circular"}
+            The *kind* of caches to use, not a cache object.  None recomputes
+            the whole prefix every step; a kind makes one cache of it per
+            layer (``new_caches``), prefills the right-padded prompts into
+            them and then decodes one token per row per step, each row at its
+            own position.  (To decode with caches of your own, call
+            ``decoder(tokens, caches)`` step by step.)
+        dtype : dtype, default float32
+            The caches' dtype (only with a cache).
+        window : int, optional
+            Sliding-window attention over the last ``window`` positions, on
+            every path (required for ``"circular"``, whose ring it sizes).
+        slots : int, optional
+            The circular cache's capacity (>= ``window``; default ``window`` +
+            the longest prompt - 1, so prefill needs one chunk).  Circular only.
+        prefill_chunk : int, optional
+            Prefill in chunks of this many tokens (>= 1; only with a cache).
+        progress : callable, optional
+            ``progress(done, total)``, called after each token.
+
+        Returns
+        -------
+        tokens : ndarray, int64, shape ``(B, new_tokens)``
+        logits : ndarray, float32, shape ``(B, new_tokens, vocab_size)``
+            The logits each token was picked from.
+
+        Raises
+        ------
+        TypeError
+            An argument of the wrong type (``cache`` a cache object, a float
+            count, non-integer prompts, ``progress`` not callable).
+        ValueError
+            An unknown kind, a value out of range, an option where it does
+            not apply.
         """
         if cache is not None and not isinstance(cache, str):
             raise TypeError(
