@@ -436,3 +436,27 @@ def test_a_non_native_query_says_what_to_do():
     k = np.zeros((1, 1, 2, 4), np.float32)
     with pytest.raises(TypeError, match=r"Q has dtype >f4 in non-native byte order; pass Q.astype"):
         numkv.attention(q, k, k)
+
+
+# --- what seq_lens' docstring promises ---------------------------------------------------
+
+
+def test_seq_lens_as_nonpad_kv_seqlen_exactly_where_documented():
+    """``seq_lens`` serves as ``nonpad_kv_seqlen`` with ``is_causal`` after an
+    append without ``lengths``; after a padded one only ``attention_inputs()``
+    is right (seq_lens shifts the diagonal and zeroes real queries)."""
+    rng = np.random.default_rng(8)
+    cache = StaticKVCache(2, 1, 16, 4)
+    q = rng.standard_normal((2, 2, 3, 4)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 3, 4)).astype(np.float32)
+    cache.append(k, k)
+    keys, values = cache.get()
+    right = numkv.attention(q, **cache.attention_inputs())
+    np.testing.assert_allclose(numkv.attention(q, keys, values, nonpad_kv_seqlen=cache.seq_lens, is_causal=True),
+                               right, rtol=1e-6, atol=1e-6)
+    cache.append(k, k, lengths=np.array([3, 1]))  # row 1: one real token, two of padding
+    keys, values = cache.get()
+    right = numkv.attention(q, **cache.attention_inputs())
+    naive = numkv.attention(q, keys, values, nonpad_kv_seqlen=cache.seq_lens, is_causal=True)
+    np.testing.assert_allclose(naive[0], right[0], rtol=1e-6, atol=1e-6)  # the unpadded row agrees
+    assert not np.allclose(naive[1, :, 0], right[1, :, 0])                # row 1's real query does not
