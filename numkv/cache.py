@@ -150,9 +150,11 @@ class _KVCache:
         ``np.may_share_memory`` compares bounds only (no exact solve): a false
         positive costs a copy of the new tokens, O(new tokens) like the write."""
         buffers = [b for b in (self._k, self._v) if b is not None]
-        if any(np.may_share_memory(key, b) for b in buffers):
+        # An array that owns its memory overlaps the buffers (which own theirs)
+        # only by being one of them: no bounds check for it.
+        if any(key is b or (key.base is not None and np.may_share_memory(key, b)) for b in buffers):
             key = key.copy()
-        if any(np.may_share_memory(value, b) for b in buffers):
+        if any(value is b or (value.base is not None and np.may_share_memory(value, b)) for b in buffers):
             value = value.copy()
         return key, value
 

@@ -460,3 +460,15 @@ def test_seq_lens_as_nonpad_kv_seqlen_exactly_where_documented():
     naive = numkv.attention(q, keys, values, nonpad_kv_seqlen=cache.seq_lens, is_causal=True)
     np.testing.assert_allclose(naive[0], right[0], rtol=1e-6, atol=1e-6)  # the unpadded row agrees
     assert not np.allclose(naive[1, :, 0], right[1, :, 0])                # row 1's real query does not
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_appending_the_buffers_themselves(mode):
+    """The whole buffers (arrays that own their memory) as key and value, crossed."""
+    c = StaticKVCache(1, 1, 3, 2, mode=mode)
+    c.key_buffer[...] = np.arange(6, dtype=np.float32).reshape(1, 1, 3, 2)
+    c.value_buffer[...] = -np.arange(6, dtype=np.float32).reshape(1, 1, 3, 2)
+    k0, v0 = c.key_buffer.copy(), c.value_buffer.copy()
+    keys, values = c.append(c.value_buffer, c.key_buffer)
+    np.testing.assert_array_equal(keys, v0)
+    np.testing.assert_array_equal(values, k0)
