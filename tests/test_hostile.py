@@ -472,3 +472,35 @@ def test_appending_the_buffers_themselves(mode):
     keys, values = c.append(c.value_buffer, c.key_buffer)
     np.testing.assert_array_equal(keys, v0)
     np.testing.assert_array_equal(values, k0)
+
+
+def _zeros(*shape):
+    return np.zeros(shape, np.float32)
+
+
+ZERO_SIZE_WITH_INPUTS = {
+    "q-seq-0-mask": dict(Q=_zeros(1, 2, 0, 4), K=_zeros(1, 2, 3, 4), V=_zeros(1, 2, 3, 4), attn_mask=_zeros(0, 3)),
+    "empty-past-and-k": dict(Q=_zeros(1, 2, 2, 4), K=_zeros(1, 2, 0, 4), V=_zeros(1, 2, 0, 4),
+                             past_key=_zeros(1, 2, 0, 4), past_value=_zeros(1, 2, 0, 4)),
+    "batch-0-nonpad": dict(Q=_zeros(0, 2, 2, 4), K=_zeros(0, 2, 3, 4), V=_zeros(0, 2, 3, 4),
+                           nonpad_kv_seqlen=np.zeros(0, np.int64)),
+    "v-head-0": dict(Q=_zeros(1, 2, 2, 4), K=_zeros(1, 2, 3, 4), V=_zeros(1, 2, 3, 0)),
+    "empty-k-empty-mask": dict(Q=_zeros(1, 2, 2, 4), K=_zeros(1, 2, 0, 4), V=_zeros(1, 2, 0, 4),
+                               attn_mask=np.zeros((2, 0), bool)),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_SIZE_WITH_INPUTS)
+@pytest.mark.parametrize("mode", [0, 3])
+def test_onnx_attention_on_zero_size_shapes_with_masks_and_pasts(case, mode):
+    pytest.importorskip("onnx")
+    import numkv.onnx
+
+    inputs = ZERO_SIZE_WITH_INPUTS[case]
+    y, present_key, present_value, scores = numkv.onnx.attention(**inputs, qk_matmul_output_mode=mode)
+    np.testing.assert_array_equal(y, numkv.attention(**inputs))
+    b, hq, sq, _ = inputs["Q"].shape
+    past = inputs.get("past_key", _zeros(b, 2, 0, 4)).shape[2]
+    total = past + inputs["K"].shape[2]
+    assert present_key.shape == (b, 2, total, 4) and present_value.shape == (b, 2, total, inputs["V"].shape[3])
+    assert scores.shape == (b, hq, sq, total)
