@@ -201,8 +201,7 @@ class _KVCache:
         Raises
         ------
         ValueError
-            Without a previous append (or after ``crop``), or, in circular
-            mode, after an append of more than ``max_chunk`` positions.
+            Without a previous append (or after ``crop``).
 
         Notes
         -----
@@ -448,11 +447,10 @@ class StaticKVCache(_KVCache):
       first queries still need when ``window`` fills the ring.  Hence the
       capacity must be ``>= window + S - 1`` for a chunk that is attended:
       ``max_chunk = max_seq_len - window + 1``.  ``append`` itself takes up to
-      ``max_seq_len`` positions (a ring keeps the last ones), but
-      ``attention_inputs()`` refuses (``ValueError``) after an append longer
-      than ``max_chunk``, and ``append`` refuses (before writing) one that
-      also wraps the ring, whose last keys would overwrite keys its first
-      queries attend.  Give the cache a window smaller than its capacity
+      ``max_seq_len`` positions, but refuses (``ValueError``, before writing
+      anything) one longer than ``max_chunk`` that wraps the ring, whose last
+      keys would overwrite keys its first queries attend; a longer one that
+      does not wrap overwrote nothing, and ``attention_inputs()`` serves it.  Give the cache a window smaller than its capacity
       to prefill in chunks; ``CachedSelfAttention`` splits longer inputs into
       chunks of ``max_chunk`` by itself.  (The other answer, attending before
       writing, would need old and new keys in one ``K`` without a copy.)
@@ -657,13 +655,9 @@ class StaticKVCache(_KVCache):
             return super().attention_inputs()
         if self._last is None:
             raise ValueError("attention_inputs() needs a previous append")
+        # append() refused every chunk whose last keys overwrote keys its first
+        # queries attend (_check_chunk), so whatever it wrote can be served.
         start, new = self._last
-        if new > self.max_chunk:
-            raise ValueError(
-                f"the last append wrote {new} positions, more than max_chunk = {self.max_chunk} "
-                f"(max_seq_len {self.capacity} - window {self.window} + 1): its last keys overwrote "
-                f"keys its first queries need; append at most max_chunk positions before attending"
-            )
         extent = start + new
         n = min(int(extent.max()) if extent.size else 0, self.capacity)
         K, V = self._k[:, :, :n], self._v[:, :, :n]
