@@ -16,7 +16,7 @@ import numkv
 from numkv import _attention
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
-from numkv._kernels.narrow import has_vbmi
+from numkv._kernels.cpu import has_vbmi
 
 NARROW = ["float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
           "float8_e8m0fnu"]
@@ -51,11 +51,10 @@ def test_every_bit_pattern_widens_exactly(name, stride):
     assert_same_floats(widened(dtype, patterns, stride), decode_table(dtype))
 
 
-@pytest.mark.parametrize("name", ["float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                                  "float8_e5m2fnuz"])
+@pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz"])
 def test_the_arithmetic_decode_matches_the_tables(name):
-    """``_decode_bits`` with each format's parameters, as used where F16C
-    is missing (float16, e5m2, e4m3fn) and always (the fnuz types)."""
+    """``_decode_bits`` with each row of ``FORMAT_TABLE``: the fnuz float8s'
+    loop (the other formats have loops of their own, and no row)."""
     from numba import njit
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))

@@ -78,37 +78,23 @@ from numba.extending import intrinsic, overload
 from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
-from .narrow import has_f16c, has_vbmi  # tests of the CPU numba compiles for, run while compiling
+from .cpu import has_f16c, has_vbmi  # tests of the CPU numba compiles for, run while compiling
 
-# -- the layout: ints[] slots, desc[] rows and columns, dtype codes ------------
-# The wrapper fills these by name (``_attention.run``); they are defined once, here.
-INT_FIELDS = (
-    "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
-    "causal", "left", "right", "has_mask",
-    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows", "gemm_limit",
-    "gemm_fn",
+# The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
+from .layout import (  # noqa: F401
+    BASE, BATCH, BF16, BLAS_ROWS, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2,
+    E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK,
+    HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES, N_UNITS, NAN_BITS, NAN_EM, NONE,
+    PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORE_SCALE, SHIFT, SOFTCAP, STRIDE_B, STRIDE_D,
+    STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
+    V_HEAD_SIZE,
 )
-(BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
- CAUSAL, LEFT, RIGHT, HAS_MASK,
- BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT,
- GEMM_FN) = range(len(INT_FIELDS))
-
-TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
-T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
-TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
-BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
 
 # How many keys ahead the loops prefetch key and value rows (~8 KiB of float32
 # rows at D = 128: far enough to hide the memory latency; see ``_prefetch``).
 # A constant: numba freezes it into the compiled kernel.
 PREFETCH_KEYS = 16
 
-FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
-Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
-
-DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
-               "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
-(F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
 # The narrow K/V dtypes float32 decode's loops read in place, widening each
 # element as they use it (``_kv_tile``, ``_per_format``): code -> (format of
 # ``_widen_ir``, bits an element).
@@ -188,25 +174,6 @@ def _prefetch_ahead(flat, start, count, size):
 def _itemsize(code):
     """Bytes an element of dtype ``code`` holds."""
     return 4 if code == F32 else 8 if code == F64 else 2 if code <= BF16 else 1
-
-
-# The narrow float formats as ``FORMAT_FIELDS``: a value's magnitude bits
-# ``em`` shifted to float32's exponent/mantissa position, times
-# 2**(127 - bias), is the value -- subnormals included (a float32 subnormal
-# times a power of two is exact); ``NONE`` marks a rule a format lacks.
-FORMAT_FIELDS = ("shift", "scale_exponent", "infnan_em", "nan_em", "nan_bits")
-SHIFT, SCALE_EXPONENT, INFNAN_EM, NAN_EM, NAN_BITS = range(len(FORMAT_FIELDS))
-NONE = 0xFFFFFFFF
-_FORMATS = {
-    F16: (13, 112, 0x7C00, NONE, NONE),
-    E4M3FN: (20, 120, NONE, 0x7F, NONE),
-    E4M3FNUZ: (20, 119, NONE, NONE, 0x80),
-    E5M2: (21, 112, 0x7C, NONE, NONE),
-    E5M2FNUZ: (21, 111, NONE, NONE, 0x80),
-}
-FORMAT_TABLE = np.zeros((len(DTYPE_CODES), len(FORMAT_FIELDS)), np.int64)
-for _code, _row in _FORMATS.items():
-    FORMAT_TABLE[_code] = _row
 
 
 def _emit_decode(builder, u, sign, shift, scale, infnan, nan_em, nan_x):

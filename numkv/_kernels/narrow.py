@@ -4,37 +4,15 @@
 11 ms of a 40 ms float16 causal prefill at S=512; this: ~0.1 ns).
 """
 
-import functools
-
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from .._config import jit
+from .cpu import has_f16c  # noqa: F401  (the wrapper asks here: ``to_float16`` is for F16C)
 
 CHUNK = 1 << 16  # elements a work item
-
-
-@functools.cache
-def _target_features():
-    from numba.core.registry import cpu_target
-
-    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
-    return frozenset(features.split(","))
-
-
-def has_f16c():
-    """Whether numba compiles for a CPU with F16C (the only target
-    ``to_float16`` is for: elsewhere LLVM would call a runtime helper)."""
-    return "+f16c" in _target_features()
-
-
-def has_vbmi():
-    """Whether numba compiles for a CPU with AVX-512 VBMI: byte permutes
-    across a whole register (``vpermi2b``), a 128-entry byte table a
-    lookup (AMD Zen 4 on; Intel's Ice Lake and later server chips)."""
-    return {"+avx512f", "+avx512bw", "+avx512vbmi"} <= _target_features()
 
 
 @intrinsic
