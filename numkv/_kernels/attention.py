@@ -75,10 +75,10 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
-from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
 from .cpu import has_f16c, has_vbmi  # tests of the CPU numba compiles for, run while compiling
+from .gemm import _gemm_accumulate, _gemm_scores
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
@@ -89,11 +89,10 @@ from .layout import (  # noqa: F401
     STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
     V_HEAD_SIZE,
 )
+from .simd import (_BYTES, PREFETCH_KEYS, VECTOR_BYTES, _as_i32, _broadcast, _claim, _emit_loop, _emit_prefetch,
+                   _float32_from_bits, _fmuladd, _load, _masked_memory, _maximum, _phis, _prefetch, _prefetch_ahead,
+                   _reduce_lanes, _row_sum, _splat, _view)
 
-# How many keys ahead the loops prefetch key and value rows (~8 KiB of float32
-# rows at D = 128: far enough to hide the memory latency; see ``_prefetch``).
-# A constant: numba freezes it into the compiled kernel.
-PREFETCH_KEYS = 16
 
 # The narrow K/V dtypes float32 decode's loops read in place, widening each
 # element as they use it (``_kv_tile``, ``_per_format``): code -> (format of
@@ -102,72 +101,6 @@ IN_PLACE = {BF16: ("bf16", 16), F16: ("f16", 16), E4M3FN: ("e4m3fn", 8), E5M2: (
 IN_PLACE_CODES = tuple(IN_PLACE)
 
 # -- widening: bits -> float ----------------------------------------------------
-
-
-@intrinsic
-def _float32_from_bits(typingctx, bits):
-    """The float32 whose bits are the low 32 bits of the integer ``bits`` (a
-    bit cast, no conversion; numba widens integer arithmetic to 64 bits)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
-        return builder.bitcast(low, context.get_value_type(types.float32))
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _maximum(typingctx, a, b):
-    """``llvm.maximum``: the larger of two floats, NaN if either is NaN.  A
-    running maximum of it vectorises (a compare-and-select one stays scalar),
-    and a NaN among the values shows in the result."""
-    if not (isinstance(a, types.Float) and a == b):
-        return None
-
-    def codegen(context, builder, sig, args):
-        t = args[0].type
-        return builder.call(builder.module.declare_intrinsic("llvm.maximum", [t], ir.FunctionType(t, [t, t])),
-                            args)
-
-    return a(a, b), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, flat, index):
-    """Ask the CPU to start loading ``flat[index]``'s cache line into L2 (a
-    hint: it never faults, wherever ``index`` points).  L2, not L1
-    (``prefetcht1``, locality 2): L1 has few slots for lines in flight, L2
-    many more (2 cores, decode Skv=16384 float32: 4.3-5.6 ms against 7.8-9.3
-    ms into L1; B=8 Skv=2048 4.7-6.0 against 8.2-9.9; ``PREFETCH_KEYS``
-    8 / 16 / 24 / 32 / 64 ahead: 16 best or level)."""
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        _emit_prefetch(builder, builder.gep(ary.data, [args[1]]))
-        return context.get_dummy_value()
-
-    return types.void(flat, index), codegen
-
-
-def _emit_prefetch(builder, ptr):
-    """IR of ``_prefetch``: the cache line at ``ptr`` into L2."""
-    ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
-    i32 = ir.IntType(32)
-    fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
-                                          ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
-    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
-
-
-@jit(inline=True)
-def _prefetch_ahead(flat, start, count, size):
-    """``_prefetch`` the ``count`` elements of ``size`` bytes from element
-    ``start`` of the raw bytes ``flat``, 16 elements (a float32 cache line)
-    at a time: the key rows ``PREFETCH_KEYS`` on (a narrow cache's lines get
-    several: one a 64-byte line measured slower, float8_e4m3fn decode
-    Skv=16384 3.4-3.6 ms against 3.2)."""
-    for line in range(0, count, 16):
-        _prefetch(flat, (start + np.uint64(line)) * np.uint64(size))
 
 
 @jit(inline=True)
@@ -189,13 +122,6 @@ def _emit_decode(builder, u, sign, shift, scale, infnan, nan_em, nan_x):
     value = builder.select(negative, builder.or_(value, ir.Constant(i32, 0x80000000)), value)
     nan = builder.or_(builder.icmp_unsigned("==", em, nan_em), builder.icmp_unsigned("==", u, nan_x))
     return builder.bitcast(builder.select(nan, ir.Constant(i32, 0x7FC00000), value), f32)
-
-
-def _as_i32(builder, value, ty):
-    i32 = ir.IntType(32)
-    if ty.bitwidth < 32:
-        return builder.zext(value, i32)
-    return builder.trunc(value, i32) if ty.bitwidth > 32 else value
 
 
 @intrinsic
@@ -240,20 +166,6 @@ def _narrow_intrinsic(narrow, bits, doc):
 _half_to_float32 = _narrow_intrinsic("f16", 16, "float32 value of float16 bits (F16C where the CPU has it).")
 _e5m2_to_float32 = _narrow_intrinsic("e5m2", 8, "float32 value of float8_e5m2 bits: float16's upper byte.")
 _e4m3fn_to_float32 = _narrow_intrinsic("e4m3fn", 8, "float32 value of float8_e4m3fn bits.")
-
-
-def _broadcast(builder, value, lanes):
-    """IR: a vector of ``lanes`` copies of the run-time scalar ``value``."""
-    ty = ir.VectorType(value.type, lanes)
-    one = builder.insert_element(ir.Constant(ty, None), value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
-
-
-def _splat(ty, value):
-    """A constant of ``ty`` (a scalar or vector type) with every lane ``value``."""
-    if isinstance(ty, ir.VectorType):
-        return ir.Constant(ty, [value] * ty.count)
-    return ir.Constant(ty, value)
 
 
 def _widen_ir(builder, bits, narrow, f16c):
@@ -455,13 +367,6 @@ def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, a
     return scratch, first_row, width, acc_code, False
 
 
-@jit(inline=True)
-def _rows_view(flat, at, ld, n, width):
-    """``(n, width)`` view of rows ``ld`` apart from ``flat[at]`` (for BLAS)."""
-    item = flat.itemsize
-    return as_strided(flat[at:], (n, width), (ld * item, item))
-
-
 def _code_of(arr):
     """The dtype code of a float32 or float64 array (a compile-time constant)."""
 
@@ -472,42 +377,8 @@ def _code_of_impl(arr):
     return lambda arr: code
 
 
-@intrinsic
-def _view(typingctx, buf, dtype):
-    """The bytes of the 1-D contiguous array ``buf`` as a 1-D array of
-    ``dtype`` (a NumPy scalar type, or an array whose dtype to take): as
-    ``buf.view(dtype)``, which numba compiles as a function of its own per
-    call site and dtype (~0.15 s each, ~1 s of a cold float32 call in
-    all); this is a few instructions inline."""
-    if not (isinstance(buf, types.Array) and buf.ndim == 1 and buf.layout == "C"):
-        return None
-    elem = dtype.dtype if isinstance(dtype, types.Array) else getattr(dtype, "instance_type", None)
-    if not isinstance(elem, types.Number):
-        return None
-    view = types.Array(elem, 1, "C")
-
-    def codegen(context, builder, sig, args):
-        from numba.core.imputils import impl_ret_borrowed
-        from numba.np.arrayobj import populate_array
-
-        src = context.make_array(buf)(context, builder, args[0])
-        out = context.make_array(view)(context, builder)
-        intp = context.get_value_type(types.intp)
-        src_size, size = (context.get_abi_sizeof(context.get_data_type(t)) for t in (buf.dtype, elem))
-        count = builder.udiv(builder.mul(cgutils.unpack_tuple(builder, src.shape)[0], ir.Constant(intp, src_size)),
-                             ir.Constant(intp, size))
-        populate_array(out, data=builder.bitcast(src.data, context.get_data_type(elem).as_pointer()),
-                       shape=[count], strides=[ir.Constant(intp, size)], itemsize=ir.Constant(intp, size),
-                       meminfo=src.meminfo, parent=src.parent)
-        return impl_ret_borrowed(context, builder, view, out._getvalue())
-
-    return view(buf, dtype), codegen
-
-
 # -- dot products: several rows against four keys ---------------------------------
 
-# Bytes a vector of ``_dots`` holds: one AVX-512 register (two AVX2 ones).
-VECTOR_BYTES = 64
 # Vectors of D a run of ``_axpy`` takes per row: four rows' 16 accumulators
 # fill half the registers; in float32, 64 elements (``E4M3FN_BLOCK``).
 AXPY_RUN_VECTORS = 4
@@ -559,9 +430,7 @@ def _emit_dots(context, builder, sig, args):
     i32 = ir.IntType(32)
     count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
     mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]), _broadcast(builder, count, 4))
-    store = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [row_ty, row_ty.as_pointer(), i32, mask.type]),
-        f"llvm.masked.store.v4{'f32' if real == ir.FloatType() else 'f64'}.p0")
+    store = _masked_memory(builder, "store", row_ty)
     for r, row in enumerate(_per_format(builder, args[8], real, rows)):
         at = builder.gep(out_arr.data, [builder.extract_value(args[1], r)])
         builder.call(store, [row, builder.bitcast(at, row_ty.as_pointer()), ir.Constant(i32, _BYTES[str(real)]), mask])
@@ -624,10 +493,10 @@ def _emit_axpy(context, builder, sig, args):
                             at = builder.add(ahead, ir.Constant(i64, c * width))
                             _emit_prefetch(builder, builder.gep(row, [at]))
                     if block:
-                        bytes64 = _load(builder, row, ir.Constant(i64, 0), E4M3FN_BLOCK, None)
+                        bytes64 = _load_widened(builder, row, ir.Constant(i64, 0), E4M3FN_BLOCK, None)
                         vs = _widen_e4m3fn_block(builder, bytes64)
                     else:
-                        vs = [_load(builder, row, ir.Constant(i64, c * width), width, narrow) for c in range(parts)]
+                        vs = [_load_widened(builder, row, ir.Constant(i64, c * width), width, narrow) for c in range(parts)]
                     ws = [builder.load(builder.gep(p_row, [j])) for p_row in p_rows]
                     if width > 1:
                         ws = [_broadcast(builder, w, width) for w in ws]
@@ -679,9 +548,6 @@ def _per_format(builder, code, real, emit):
     return _phis(builder, results)
 
 
-_BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
-
-
 def _whole_vectors(builder, length, lanes, narrow):
     """IR: the elements of ``length`` that vector loops take (whole vectors;
     none for float16-based formats where the CPU lacks F16C: those go one
@@ -691,21 +557,11 @@ def _whole_vectors(builder, length, lanes, narrow):
     return builder.and_(length, ir.Constant(ir.IntType(64), -lanes))
 
 
-def _load(builder, row, at, width, narrow):
+def _load_widened(builder, row, at, width, narrow):
     """IR: ``width`` elements (a vector, or a scalar for 1) from ``row[at]``,
     widened from format ``narrow`` (None: as they are)."""
-    elem = row.type.pointee
-    ty = ir.VectorType(elem, width) if width > 1 else elem
-    value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
+    value = _load(builder, row, at, width)
     return _widen_ir(builder, value, narrow, has_f16c()) if narrow else value
-
-
-def _fmuladd(builder, ty):
-    """``llvm.fmuladd`` for ``ty`` (a float or double scalar or vector): an FMA."""
-    scalar = ty.element if isinstance(ty, ir.VectorType) else ty
-    name = (f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}"
-            f"{'f32' if scalar == ir.FloatType() else 'f64'}")
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
 
 
 def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
@@ -720,17 +576,17 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
         fn = _fmuladd(builder, ty)
 
         def body(at, accs):
-            qs = [_load(builder, row, at, width, None) for row in q_rows]
-            ks = [_load(builder, row, at, width, narrow) for row in k_rows]
+            qs = [_load_widened(builder, row, at, width, None) for row in q_rows]
+            ks = [_load_widened(builder, row, at, width, narrow) for row in k_rows]
             return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
         return body
 
     def block(at, accs):  # four vector steps, each sum's FMAs in the same order
         fn, accs = _fmuladd(builder, vec), list(accs)
-        qs = [[_load(builder, row, builder.add(at, ir.Constant(i64, s)), lanes, None)
+        qs = [[_load_widened(builder, row, builder.add(at, ir.Constant(i64, s)), lanes, None)
                for s in range(0, E4M3FN_BLOCK, lanes)] for row in q_rows]
         for j, row in enumerate(k_rows):
-            ks = _widen_e4m3fn_block(builder, _load(builder, row, at, E4M3FN_BLOCK, None))
+            ks = _widen_e4m3fn_block(builder, _load_widened(builder, row, at, E4M3FN_BLOCK, None))
             for r, q_parts in enumerate(qs):
                 for qv, kv in zip(q_parts, ks):
                     accs[4 * r + j] = builder.call(fn, [qv, kv, accs[4 * r + j]])
@@ -775,83 +631,6 @@ def _as_rows(builder, sums):
     return rows
 
 
-def _emit_loop(builder, start, stop, stride, init, body):
-    """IR of ``for at in range(start, stop, stride): values = body(at, values)``;
-    returns the values after it (``init`` if it never runs)."""
-    i64 = ir.IntType(64)
-    before = builder.block
-    loop = builder.append_basic_block("loop")
-    after = builder.append_basic_block("loop.after")
-    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
-    builder.position_at_end(loop)
-    at = builder.phi(i64)
-    values = [builder.phi(v.type) for v in init]
-    new = body(at, values)
-    end = builder.block  # the body's last block (it may hold loops of its own)
-    following = builder.add(at, ir.Constant(i64, stride))
-    at.add_incoming(start, before)
-    at.add_incoming(following, end)
-    for phi, first, updated in zip(values, init, new):
-        phi.add_incoming(first, before)
-        phi.add_incoming(updated, end)
-    backedge = builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
-    backedge.set_metadata("llvm.loop", _as_written(builder.module))
-    builder.position_at_end(after)
-    return _phis(builder, [(init, before), (new, end)])
-
-
-def _phis(builder, incoming):
-    """IR: one phi a value, merging ``incoming``, ``(values, block)`` pairs
-    (each block's values in the same order)."""
-    merged = []
-    for i, first in enumerate(incoming[0][0]):
-        phi = builder.phi(first.type)
-        for values, block in incoming:
-            phi.add_incoming(values[i], block)
-        merged.append(phi)
-    return merged
-
-
-def _as_written(module):
-    """Loop metadata: LLVM is to neither vectorise nor unroll the loop (its
-    vector loops are written so; its scalar ones run a few times)."""
-    props = [module.add_metadata([ir.MetaDataString(module, name), ir.Constant(ir.IntType(1), 0)])
-             for name in ("llvm.loop.vectorize.enable",)] + [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])]
-    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))  # a node of its own
-    loop_id.operands = (loop_id, *props)
-    return loop_id
-
-
-def _reduce_lanes(builder, vectors):
-    """IR: eight vectors -> one vector of their eight lane sums, in order.
-    Pairs of vectors are merged keeping each one's lower and upper halves
-    (``lo + hi``), until one vector holds every sum in blocks; then each
-    block is halved in place.  Every sum gets the same tree: lane ``t`` plus
-    lane ``t + w/2`` at each width ``w``."""
-    i32 = ir.IntType(32)
-
-    def shuffle(a, b, picks):
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(picks)), picks))
-
-    lanes = vectors[0].type.count
-    width = lanes  # lanes per sum
-    while len(vectors) > 1:
-        half, merged = width // 2, []
-        for a, b in zip(vectors[0::2], vectors[1::2]):
-            blocks = [(0, k * width) for k in range(lanes // width)] + [(lanes, k * width) for k in range(lanes // width)]
-            lo = shuffle(a, b, [src + at + t for src, at in blocks for t in range(half)])
-            hi = shuffle(a, b, [src + at + half + t for src, at in blocks for t in range(half)])
-            merged.append(builder.fadd(lo, hi))
-        vectors, width = merged, half
-    vector = vectors[0]
-    while width > 1:
-        half, count = width // 2, vector.type.count
-        lo = shuffle(vector, vector, [at + t for at in range(0, count, width) for t in range(half)])
-        hi = shuffle(vector, vector, [at + half + t for at in range(0, count, width) for t in range(half)])
-        vector, width = builder.fadd(lo, hi), half
-    return vector
-
-
 # -- exp ----------------------------------------------------------------------------
 
 
@@ -894,103 +673,7 @@ def _exp_impl(x):
     return exp32
 
 
-@intrinsic
-def _claim(typingctx, counter):
-    """``counter[0]``, atomically incremented: the next item for whichever
-    thread asks first."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return types.int64(counter), codegen
-
-
-@intrinsic
-def _gemm(typingctx, a, b, c, beta, trans_b, fn):
-    """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
-    unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
-    Fortran-ABI function at address ``fn`` (numkv's own OpenBLAS,
-    ``numkv._runtime.blas``), or where ``fn`` is 0 the ``numba_xxgemm``
-    helper numba's own ``np.dot`` calls (SciPy's BLAS).  Both are found at
-    run time, so the kernel stays in numba's disk cache.  Unlike ``np.dot``
-    it accumulates (``beta``) and reads strided rows in place."""
-    if not all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype == c.dtype for x in (a, b, c)):
-        return None
-    if not isinstance(fn, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        from numba.np.linalg import ensure_blas
-
-        dtype = sig.args[2].dtype
-        char, int32, intp = ir.IntType(8), ir.IntType(32), context.get_value_type(types.intp)
-        voidp = char.as_pointer()
-        a_, b_, c_ = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_value_type(dtype)))
-
-        def ld(ary):  # the distance between rows, in elements
-            return builder.sdiv(cgutils.unpack_tuple(builder, ary.strides)[0], itemsize)
-
-        m, k = cgutils.unpack_tuple(builder, a_.shape)
-        n = cgutils.unpack_tuple(builder, c_.shape)[1]
-        one = cgutils.alloca_once_value(builder, context.get_constant(dtype, 1.0))
-        beta_ = cgutils.alloca_once_value(builder, context.cast(builder, args[3], sig.args[3], dtype))
-        transpose = context.cast(builder, args[4], sig.args[4], types.boolean)
-        op_b = builder.select(transpose, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
-        address = context.cast(builder, args[5], sig.args[5], types.intp)
-        # BLAS is column-major: there the product is c^T = op(b)^T a^T.
-        ldb, lda, ldc = ld(b_), ld(a_), ld(c_)
-        one_p, b_p, a_p, beta_p, c_p = (builder.bitcast(x, voidp) for x in (one, b_.data, a_.data, beta_, c_.data))
-        with builder.if_else(builder.icmp_signed("==", address, ir.Constant(intp, 0))) as (helper, own):
-            with helper:
-                ensure_blas()
-                fnty = ir.FunctionType(int32, [char, char, char, intp, intp, intp, voidp, voidp, intp,
-                                               voidp, intp, voidp, voidp, intp])
-                xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
-                kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
-                builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), n, m, k,
-                                      one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
-            with own:  # Fortran ABI: every argument by pointer, LP64 integers
-                def ref(value):
-                    return cgutils.alloca_once_value(builder, value)
-
-                int_p = int32.as_pointer()
-                fnty = ir.FunctionType(ir.VoidType(), [voidp, voidp, int_p, int_p, int_p, voidp, voidp, int_p,
-                                                       voidp, int_p, voidp, voidp, int_p])
-                gemm = builder.inttoptr(address, fnty.as_pointer())
-                nn, mm, kk, ldb_, lda_, ldc_ = (ref(builder.trunc(x, int32)) for x in (n, m, k, ldb, lda, ldc))
-                builder.call(gemm, (ref(op_b), ref(ir.Constant(char, ord("n"))), nn, mm, kk,
-                                    one_p, b_p, ldb_, a_p, lda_, beta_p, c_p, ldc_))
-        return context.get_dummy_value()
-
-    return types.void(a, b, c, beta, trans_b, fn), codegen
-
-
 # -- the two matrix products ----------------------------------------------------------
-
-
-@jit(inline=True)
-def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
-    """``s = qt K^T`` by BLAS, split along d so that each product stays within
-    ``gemm_limit``."""
-    d_k = qt.shape[1]
-    kt = _rows_view(kf, ko, kld, n, d_k)
-    part = max(1, min(d_k, gemm_limit // (rows * n)))
-    for d0 in range(0, d_k, part):
-        _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True, gemm_fn)
-
-
-@jit(inline=True)
-def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
-    """``acc += p V`` by BLAS, split as ``_gemm_scores``."""
-    d_v = acc.shape[1]
-    vt = _rows_view(vf, vo, vld, n, d_v)
-    part = max(1, min(d_v, gemm_limit // (rows * n)))
-    for d0 in range(0, d_v, part):
-        _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False, gemm_fn)
 
 
 @jit()
@@ -1150,49 +833,6 @@ def _exp_row_sum(s, r, n, m):
         s[r, j] = p
         total += p
     return total
-
-
-@intrinsic
-def _row_sum(typingctx, flat, at, n):
-    """``sum(flat[at:at + n])`` in eight lanes added in a fixed order (lane
-    ``t`` sums the entries ``j = t mod 8`` one after another; then ``((l0 +
-    l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``): the bits do not depend on
-    ``n`` when the extra entries are zeros (a masked key at the end of a tile
-    changes nothing), and a chain of float adds does not run at a quarter
-    of their rate.  LLVM IR, eight lanes a vector add (LLVM kept eight
-    scalar sums scalar: 0.17 ns an entry)."""
-    if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"
-            and isinstance(flat.dtype, types.Float) and isinstance(at, types.Integer) and isinstance(n, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        real = context.get_value_type(sig.args[0].dtype)
-        i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, 8)
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        at, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:]))
-        row = builder.gep(ary.data, [at])
-
-        def add(j, lanes):
-            ptr = builder.bitcast(builder.gep(row, [j]), vec.as_pointer())
-            return [builder.fadd(lanes[0], builder.load(ptr, align=_BYTES[str(real)]))]
-
-        whole = builder.and_(n, ir.Constant(i64, -8))
-        lanes = _emit_loop(builder, ir.Constant(i64, 0), whole, 8, [_splat(vec, 0.0)], add)[0]
-        # The tail's entries to the lanes they would have had in a longer row (+0.0 to the others).
-        tail = builder.trunc(builder.sub(n, whole), i32)
-        lane_index = ir.Constant(ir.VectorType(i32, 8), list(range(8)))
-        mask = builder.icmp_unsigned("<", lane_index, _broadcast(builder, tail, 8))
-        load = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vec, [vec.as_pointer(), i32, mask.type, vec]),
-            f"llvm.masked.load.v8{'f32' if real == ir.FloatType() else 'f64'}.p0")
-        ptr = builder.bitcast(builder.gep(row, [whole]), vec.as_pointer())
-        tail_lanes = builder.call(load, [ptr, ir.Constant(i32, _BYTES[str(real)]), mask, _splat(vec, 0.0)])
-        lanes = builder.fadd(lanes, tail_lanes)
-        lane = [builder.extract_element(lanes, ir.Constant(i32, t)) for t in range(8)]
-        pairs = [builder.fadd(lane[t], lane[t + 1]) for t in range(0, 8, 2)]
-        return builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
-
-    return flat.dtype(flat, at, n), codegen
 
 
 @jit(contract=True)

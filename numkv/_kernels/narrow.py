@@ -5,26 +5,12 @@
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_f16c  # noqa: F401  (the wrapper asks here: ``to_float16`` is for F16C)
+from .simd import _half_bits
 
 CHUNK = 1 << 16  # elements a work item
-
-
-@intrinsic
-def _half_bits(typingctx, x):
-    """The float16 bit pattern nearest ``x`` (float32)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(x), codegen
 
 
 @jit()
