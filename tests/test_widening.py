@@ -16,6 +16,7 @@ import numkv
 from numkv import _attention
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
+from numkv._kernels import widen
 from numkv._kernels.cpu import has_vbmi
 
 NARROW = ["float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
@@ -30,7 +31,7 @@ def widened(dtype, patterns, stride=1):
     spread = np.zeros(n * stride, patterns.dtype)
     spread[::stride] = patterns
     out = np.full((1, n), -1.0, np.float32)
-    kernels._widen_rows(out, np.int64(0), np.int64(1), np.int64(n), spread.view(np.uint8), codes[dtype],
+    widen._widen_rows(out, np.int64(0), np.int64(1), np.int64(n), spread.view(np.uint8), codes[dtype],
                         np.int64(0), np.int64(n * stride), np.int64(stride), e8m0_table(),
                         kernels.FORMAT_TABLE)
     return out[0]
@@ -63,9 +64,9 @@ def test_the_arithmetic_decode_matches_the_tables(name):
 
     @njit
     def decode_all(patterns, formats, out):
-        shift, scale, infnan, nan_em, nan_x = kernels._format(formats, code)
+        shift, scale, infnan, nan_em, nan_x = widen._format(formats, code)
         for i in range(patterns.size):
-            out[i] = kernels._decode_bits(patterns[i], sign, shift, scale, infnan, nan_em, nan_x)
+            out[i] = widen._decode_bits(patterns[i], sign, shift, scale, infnan, nan_em, nan_x)
 
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint32)
     out = np.empty(patterns.size, np.float32)
