@@ -1,8 +1,21 @@
-"""Blocked attention with an online softmax (ONNX Attention, opsets 23-25).
+"""Blocked attention with an online softmax (ONNX Attention, opsets 23-25):
+the algorithm, top-down -- work items (``attention_items``), scores
+(``_scores``), the softmax of a tile (``_softmax_tile``), the value update
+(``_accumulate``), the output rows (``_write_rows``), the merge of a split
+key range (``attention_merge``).
 
 Named dims: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G =
 Hq // Hkv`` query heads per kv head, ``Sq`` queries, ``P`` past keys, ``T = P +
 Skv`` keys in all, ``D`` Q/K head size, ``Dv`` V head size.
+
+The modules beside this one, each imported only by those above it::
+
+    layout        the contract with the wrapper: ints/desc/floats slots, dtype codes
+    cpu           what the CPU numba compiles for can do (F16C, AVX-512 VBMI)
+    simd          the LLVM IR toolkit: views, prefetches, loops, lane reductions
+    gemm          BLAS' sgemm/dgemm from jitted code (prefill's products)
+    widen         bits -> float per K/V format; tiles; the formats read in place
+    decode_loops  decode's fused loops: four keys' dot products, value runs
 
 Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
@@ -11,27 +24,27 @@ transposes and cache slices are read in place and one compiled kernel serves
 every input dtype (one per accumulation dtype).  Elements are widened into
 tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
-(``_widen_rows``); K/V rows already in the accumulation dtype, unit stride,
-are read in place, and so are bfloat16, float16, float8_e4m3fn and
-float8_e5m2 rows in decode (``_kv_tile``), widened element by element as the
-loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
-no tile copy; the loop for each dtype is chosen at run time,
-``_per_format``; float8_e4m3fn, in passes of four query rows, 64
-elements at a time by a byte table where the CPU has AVX-512 VBMI,
-``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the
-rest from the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
-accumulation-dtype buffers with rows of ``desc`` too.
+(``widen._widen_rows``); K/V rows already in the accumulation dtype, unit
+stride, are read in place, and so are the rows of ``widen.FORMATS``
+(bfloat16, float16, float8_e4m3fn, float8_e5m2) in decode
+(``widen._kv_tile``), widened as the loops load them (``decode_loops``: a
+half or a quarter of the bytes read, no tile copy; the loop for each dtype
+is chosen at run time; float8_e4m3fn, in passes of four query rows, 64
+elements at a time by a byte table where the CPU has AVX-512 VBMI).  Keys
+``j < P`` come from the past buffers, the rest from the new K/V (no
+concatenation).  ``mask`` (additive) and ``y`` are flat accumulation-dtype
+buffers with rows of ``desc`` too.
 
 Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
 item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
 against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
-(prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
+(prefill) take BLAS ``gemm`` (``gemm._gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
 single-thread size); few rows (decode) take loops that score four rows
-against four keys per pass (``_scores``, ``_dots``) and add a run of keys'
-values to four rows at a time, their accumulators held in registers over
-the run (``_accumulate``, ``_axpy``).
+against four keys per pass (``_scores``, ``decode_loops._dots``) and add a
+run of keys' values to four rows at a time, their accumulators held in
+registers over the run (``_accumulate``, ``decode_loops._axpy``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -58,8 +71,12 @@ every pair costs the same.  Few query tiles
 shapes only; ``attention_merge`` then combines the partial softmaxes in chunk
 order, so results do not depend on the thread count.
 
-Helpers live in this file, not beside it: numba's disk cache notices edits to
-a kernel's own file only.
+numba's disk cache notices edits to a kernel's own file only, and the
+kernels here compile the helpers of the modules above into themselves:
+``HELPERS_SHA256`` is the digest of those modules' sources, and a test
+(``tests/test_kernel_layout.py``) fails, printing the new value, when a
+helper changes and the digest here does not -- updating it changes this
+file, so numba recompiles.
 
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
@@ -89,295 +106,13 @@ from .layout import (  # noqa: F401
 from .simd import PREFETCH_KEYS, VECTOR_BYTES, _claim, _float32_from_bits, _maximum, _prefetch_ahead, _row_sum, _view
 from .widen import _itemsize, _kv_tile, _widen_rows
 
-
-
-def _code_of(arr):
-    """The dtype code of a float32 or float64 array (a compile-time constant)."""
-
-
-@overload(_code_of)
-def _code_of_impl(arr):
-    code = F64 if arr.dtype == types.float64 else F32
-    return lambda arr: code
-
-
-# -- dot products: several rows against four keys ---------------------------------
-
-
-# -- exp ----------------------------------------------------------------------------
-
-
-def _exp(x):
-    """``e**x`` for ``x <= 0``; NaN gives 0, and ``-inf`` gives ``-0.0``: the
-    weight of a masked key, which the loop kernel leaves out of ``P V`` (a
-    weight that underflowed is ``+0.0`` and counts, as in BLAS)."""
-
-
-@overload(_exp)
-def _exp_impl(x):
-    if x == types.float64:
-        def exp64(x):
-            if x >= -745.2:
-                return math.exp(x)
-            return -0.0 if x == -np.inf else 0.0  # NaN -> 0 as well
-        return exp64
-
-    def exp32(x):
-        # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
-        # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
-        # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
-        # within ~1 ulp of e**x (0.99-1.02 at worst, 0.27 on average over 5.6
-        # million values in (-87, 0], with or without FMA contraction).
-        inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
-        xc = x if inside else np.float32(-87.0)
-        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = xc - n * np.float32(0.693359375)
-        r = r + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = p * r * r + r + np.float32(1.0)
-        pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
-        underflow = np.float32(-0.0) if x == -np.inf else np.float32(0.0)
-        return p * pow2n if inside else underflow
-    return exp32
-
-
-# -- the two matrix products ----------------------------------------------------------
-
-
-@jit()
-def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
-    """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
-    of the raw bytes ``kb``, of dtype ``code``: BLAS
-    for many rows, else a loop over four keys at a time that scores them
-    against four query rows (then two, then one) per pass (``_dots``);
-    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
-    past the last key repeats it (and stores only the tile's scores): every
-    score comes from the same sum, so its bits depend neither on the number
-    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
-    masked key at its end changes nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
-    narrow one too (``_per_format``; float32 ``qt``)."""
-    if use_blas:
-        _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
-        return
-    d_k = qt.shape[1]
-    qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
-    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    size = _itemsize(code)
-    last_key = n - 1
-    for j in range(0, n, 4):
-        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
-        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
-                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
-        if prefetch:
-            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
-        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
-        r = 0
-        while r + 4 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
-                    np.uint64(r + 3) * width)
-            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
-                    s0 + np.uint64(r + 3) * stride)
-            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
-            r += 4
-        if r + 2 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
-                  d_k, code)
-            r += 2
-        if r < rows:
-            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
-
-
-@jit()
-def _all_weighted(p, rows, n):
-    """Whether every weight of ``p[:rows, :n]`` is nonzero (no masked key)."""
-    zeros = 0
-    for r in range(rows):
-        for j in range(n):
-            zeros += p[r, j] == 0
-    return zeros == 0
-
-
-# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
-# the longer the run, the longer the accumulators stay in registers.  Runs
-# of 16 against a load and a store of every accumulator each four keys (4
-# rows, one thread, value update alone, medians of interleaved calls): D =
-# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
-# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
-# longer than a run of four vectors (D = 128), streamed from memory, took
-# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
-# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
-# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
-# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
-AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
-
-
-@jit(inline=True)
-def _masked(weight):
-    """Whether a weight is a masked key's ``-0.0`` (see ``_exp``)."""
-    return weight == 0 and math.copysign(1.0, weight) < 0
-
-
-@jit()
-def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
-    """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
-    + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
-    dtype only; the loops: a narrow one too, ``_per_format``).
-    The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
-    masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
-    cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
-    whose weight underflowed to ``+0.0`` counts in both, as in the reference.
-
-    The loop adds one key after another to each element (an FMA chain, no
-    reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
-    row's bits do not depend on its neighbours, nor on which pass took it.
-    Where no weight of the tile is zero, rows go four at a time (each
-    loaded V vector feeds four rows); the others one at a time, in runs of
-    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys."""
-    d_v = acc.shape[1]
-    for r in range(rows):
-        a = alpha[r]
-        if a != 1.0:
-            for d in range(d_v):
-                acc[r, d] *= a
-    if use_blas and not skip_masked:
-        _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
-        return
-    accf, pf = acc.reshape(rows * d_v), p.reshape(rows * n)
-    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
-    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
-    # Blocks of four rows outer, keys inner: the first block reads V from
-    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
-    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
-    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
-    # 7.0-7.1).
-    for r in range(0, rows4, 4):
-        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
-        for j in range(0, n, run):
-            w = np.uint64(r * n + j)
-            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
-                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
-                  d_v, code)
-    for r in range(rows4, rows):
-        j = 0
-        while j < n:
-            stop = j + 1
-            if not _masked(p[r, j]):
-                while stop < min(j + run, n) and not _masked(p[r, stop]):
-                    stop += 1
-                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
-                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
-            j = stop
-
-
-@jit()
-def _all_finite(flat, at, ld, n, width):
-    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
-    (``x - x`` is 0 only then)."""
-    total = flat.dtype.type(0.0)
-    for j in range(n):
-        row = np.uint64(at + j * ld)
-        for c in range(width):
-            x = flat[row + np.uint64(c)]
-            total += x - x
-    return total == 0
-
-
-# -- the softmax of one tile ---------------------------------------------------------
-
-
-@jit(reassociate=True)
-def _exp_row_sum(s, r, n, m):
-    """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
-    whatever order LLVM picks (the BLAS path: its products do not keep bits
-    across tile lengths either).  A 128 x 64 tile: 11.9 us with a separate
-    ``_row_sum``, 7.9 with this."""
-    total = s.dtype.type(0.0)
-    for j in range(n):
-        p = _exp(s[r, j] - m)
-        s[r, j] = p
-        total += p
-    return total
-
-
-@jit(contract=True)
-def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
-                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad, fast_sum):
-    """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
-    place) and fold them into each row's running max ``m`` and sum ``l``;
-    ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
-
-    ``edge``: some row's interval ends inside the tile, or a mask applies --
-    the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
-    """
-    inf = np.inf
-    flat = s.reshape(rows * n)
-    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
-        for t in range(rows * n):
-            flat[t] *= score_scale
-    if softcap > 0.0:  # ONNX: the softcap comes before the mask
-        for t in range(rows * n):
-            flat[t] = softcap * math.tanh(flat[t] / softcap)
-    for r in range(rows):
-        i = r % nq
-        if edge:
-            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
-            for j in range(n):
-                if j < first or j >= stop:
-                    s[r, j] = -inf
-            if mask_base >= 0:
-                at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
-                for j in range(first, stop):
-                    bias = mask[at + j * mask_stride_j]
-                    s[r, j] = -inf if bias == -inf else s[r, j] + bias
-        m_old = m[r]
-        m_new = m_old
-        for j in range(n):
-            m_new = _maximum(m_new, s[r, j])
-        # NaN or +inf among the attended scores (masked ones are -inf) makes
-        # the row NaN; nothing attended yet: no weights, nothing to rescale.
-        if not m_new < inf or m_new == -inf:
-            bad[r] |= m_new != -inf
-            for j in range(n):
-                s[r, j] = -0.0  # no weight, masked: see _exp
-            alpha[r] = 1.0
-            continue
-        if fast_sum:
-            total = _exp_row_sum(s, r, n, m_new)
-        else:
-            for j in range(n):
-                s[r, j] = _exp(s[r, j] - m_new)
-            total = _row_sum(flat, r * n, n)
-        a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
-        alpha[r] = a
-        l[r] = l[r] * a + total
-        m[r] = m_new
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): see the module docstring;
+# ``tests/test_kernel_layout.py`` prints the value to set.
+HELPERS_SHA256 = "3597272dd3d96ae845c32882c75158b1b122b8101130451b9ac6424825e1382b"
 
 
 # -- work items --------------------------------------------------------------------------
-
-
-@jit(inline=True)
-def _row_bounds(i, off, valid, causal, left, right):
-    """Inclusive key interval ``[lo, hi]`` of query ``i`` (``hi < lo``: none)."""
-    pos = off + i  # the query's absolute position
-    hi = valid - 1
-    if causal and pos < hi:
-        hi = pos
-    if right >= 0 and pos + right < hi:
-        hi = pos + right
-    lo = 0
-    if left >= 0 and pos - left > lo:
-        lo = pos - left
-    return lo, hi
 
 
 @jit()
@@ -491,6 +226,284 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
 
 
+@jit(inline=True)
+def _row_bounds(i, off, valid, causal, left, right):
+    """Inclusive key interval ``[lo, hi]`` of query ``i`` (``hi < lo``: none)."""
+    pos = off + i  # the query's absolute position
+    hi = valid - 1
+    if causal and pos < hi:
+        hi = pos
+    if right >= 0 and pos + right < hi:
+        hi = pos + right
+    lo = 0
+    if left >= 0 and pos - left > lo:
+        lo = pos - left
+    return lo, hi
+
+
+# -- scores: S = Q K^T -------------------------------------------------------------------
+
+
+@jit()
+def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
+    """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
+    of the raw bytes ``kb``, of dtype ``code``: BLAS
+    for many rows, else a loop over four keys at a time that scores them
+    against four query rows (then two, then one) per pass (``_dots``);
+    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
+    past the last key repeats it (and stores only the tile's scores): every
+    score comes from the same sum, so its bits depend neither on the number
+    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
+    masked key at its end changes nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
+    narrow one too (``decode_loops._per_format``; float32 ``qt``)."""
+    if use_blas:
+        _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
+        return
+    d_k = qt.shape[1]
+    qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
+    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    size = _itemsize(code)
+    last_key = n - 1
+    for j in range(0, n, 4):
+        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
+        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
+                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
+        if prefetch:
+            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
+        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
+        r = 0
+        while r + 4 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                    np.uint64(r + 3) * width)
+            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                    s0 + np.uint64(r + 3) * stride)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
+            r += 4
+        if r + 2 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+                  d_k, code)
+            r += 2
+        if r < rows:
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
+
+
+# -- the softmax of one tile -------------------------------------------------------------
+
+
+@jit(contract=True)
+def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
+                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad, fast_sum):
+    """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
+    place) and fold them into each row's running max ``m`` and sum ``l``;
+    ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
+
+    ``edge``: some row's interval ends inside the tile, or a mask applies --
+    the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
+    """
+    inf = np.inf
+    flat = s.reshape(rows * n)
+    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
+        for t in range(rows * n):
+            flat[t] *= score_scale
+    if softcap > 0.0:  # ONNX: the softcap comes before the mask
+        for t in range(rows * n):
+            flat[t] = softcap * math.tanh(flat[t] / softcap)
+    for r in range(rows):
+        i = r % nq
+        if edge:
+            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
+            for j in range(n):
+                if j < first or j >= stop:
+                    s[r, j] = -inf
+            if mask_base >= 0:
+                at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
+                for j in range(first, stop):
+                    bias = mask[at + j * mask_stride_j]
+                    s[r, j] = -inf if bias == -inf else s[r, j] + bias
+        m_old = m[r]
+        m_new = m_old
+        for j in range(n):
+            m_new = _maximum(m_new, s[r, j])
+        # NaN or +inf among the attended scores (masked ones are -inf) makes
+        # the row NaN; nothing attended yet: no weights, nothing to rescale.
+        if not m_new < inf or m_new == -inf:
+            bad[r] |= m_new != -inf
+            for j in range(n):
+                s[r, j] = -0.0  # no weight, masked: see _exp
+            alpha[r] = 1.0
+            continue
+        if fast_sum:
+            total = _exp_row_sum(s, r, n, m_new)
+        else:
+            for j in range(n):
+                s[r, j] = _exp(s[r, j] - m_new)
+            total = _row_sum(flat, r * n, n)
+        a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
+        alpha[r] = a
+        l[r] = l[r] * a + total
+        m[r] = m_new
+
+
+@jit(reassociate=True)
+def _exp_row_sum(s, r, n, m):
+    """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
+    whatever order LLVM picks (the BLAS path: its products do not keep bits
+    across tile lengths either).  A 128 x 64 tile: 11.9 us with a separate
+    ``_row_sum``, 7.9 with this."""
+    total = s.dtype.type(0.0)
+    for j in range(n):
+        p = _exp(s[r, j] - m)
+        s[r, j] = p
+        total += p
+    return total
+
+
+def _exp(x):
+    """``e**x`` for ``x <= 0``; NaN gives 0, and ``-inf`` gives ``-0.0``: the
+    weight of a masked key, which the loop kernel leaves out of ``P V`` (a
+    weight that underflowed is ``+0.0`` and counts, as in BLAS)."""
+
+
+@overload(_exp)
+def _exp_impl(x):
+    if x == types.float64:
+        def exp64(x):
+            if x >= -745.2:
+                return math.exp(x)
+            return -0.0 if x == -np.inf else 0.0  # NaN -> 0 as well
+        return exp64
+
+    def exp32(x):
+        # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
+        # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
+        # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
+        # within ~1 ulp of e**x (0.99-1.02 at worst, 0.27 on average over 5.6
+        # million values in (-87, 0], with or without FMA contraction).
+        inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
+        xc = x if inside else np.float32(-87.0)
+        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = xc - n * np.float32(0.693359375)
+        r = r + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
+        underflow = np.float32(-0.0) if x == -np.inf else np.float32(0.0)
+        return p * pow2n if inside else underflow
+    return exp32
+
+
+# -- the value update: acc = alpha acc + P V ---------------------------------------------
+
+
+# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
+# the longer the run, the longer the accumulators stay in registers.  Runs
+# of 16 against a load and a store of every accumulator each four keys (4
+# rows, one thread, value update alone, medians of interleaved calls): D =
+# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
+# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
+# longer than a run of four vectors (D = 128), streamed from memory, took
+# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
+# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
+# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
+# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
+AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
+
+
+@jit()
+def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
+    """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
+    + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
+    dtype only; the loops: a narrow one too, ``decode_loops._per_format``).
+    The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
+    masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
+    cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
+    whose weight underflowed to ``+0.0`` counts in both, as in the reference.
+
+    The loop adds one key after another to each element (an FMA chain, no
+    reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
+    row's bits do not depend on its neighbours, nor on which pass took it.
+    Where no weight of the tile is zero, rows go four at a time (each
+    loaded V vector feeds four rows); the others one at a time, in runs of
+    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys
+    (``AXPY_KEYS_LONG_FLOAT32`` for float32 rows longer than a run of
+    ``AXPY_RUN_VECTORS`` vectors)."""
+    d_v = acc.shape[1]
+    for r in range(rows):
+        a = alpha[r]
+        if a != 1.0:
+            for d in range(d_v):
+                acc[r, d] *= a
+    if use_blas and not skip_masked:
+        _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
+        return
+    accf, pf = acc.reshape(rows * d_v), p.reshape(rows * n)
+    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
+    # Blocks of four rows outer, keys inner: the first block reads V from
+    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
+    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
+    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
+    # 7.0-7.1).
+    for r in range(0, rows4, 4):
+        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
+        for j in range(0, n, run):
+            w = np.uint64(r * n + j)
+            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
+                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
+                  d_v, code)
+    for r in range(rows4, rows):
+        j = 0
+        while j < n:
+            stop = j + 1
+            if not _masked(p[r, j]):
+                while stop < min(j + run, n) and not _masked(p[r, stop]):
+                    stop += 1
+                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
+                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
+            j = stop
+
+
+@jit()
+def _all_weighted(p, rows, n):
+    """Whether every weight of ``p[:rows, :n]`` is nonzero (no masked key)."""
+    zeros = 0
+    for r in range(rows):
+        for j in range(n):
+            zeros += p[r, j] == 0
+    return zeros == 0
+
+
+@jit(inline=True)
+def _masked(weight):
+    """Whether a weight is a masked key's ``-0.0`` (see ``_exp``)."""
+    return weight == 0 and math.copysign(1.0, weight) < 0
+
+
+@jit()
+def _all_finite(flat, at, ld, n, width):
+    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
+    (``x - x`` is 0 only then)."""
+    total = flat.dtype.type(0.0)
+    for j in range(n):
+        row = np.uint64(at + j * ld)
+        for c in range(width):
+            x = flat[row + np.uint64(c)]
+            total += x - x
+    return total == 0
+
+
+# -- the output rows, and the merge of a split key range ---------------------------------
+
+
 @jit()
 def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
     """``y = acc / l`` for the tile's rows: zeros where ``l == 0`` (nothing
@@ -553,3 +566,16 @@ def _merge_item(item, y, ints, desc, part_m, part_l, part_acc):
             for d in range(d_v):
                 acc[r, d] += part_acc[first + c, r, d] * w
     _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
+
+
+# -- compile-time facts ------------------------------------------------------------------
+
+
+def _code_of(arr):
+    """The dtype code of a float32 or float64 array (a compile-time constant)."""
+
+
+@overload(_code_of)
+def _code_of_impl(arr):
+    code = F64 if arr.dtype == types.float64 else F32
+    return lambda arr: code

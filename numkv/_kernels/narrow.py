@@ -10,6 +10,13 @@ from .._config import jit
 from .cpu import has_f16c  # noqa: F401  (the wrapper asks here: ``to_float16`` is for F16C)
 from .simd import _half_bits
 
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "206cf03fbfe693c9a2f5ebb3cefb6b5c2f412cd5d51ba6db3a2c4274f606bc6e"
+
 CHUNK = 1 << 16  # elements a work item
 
 

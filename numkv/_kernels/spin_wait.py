@@ -9,6 +9,13 @@ workers to finish soon spins first, with the CPU's pause hint, then sleeps.
 from .._config import jit
 from .simd import _load_acquire, _pause
 
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "d69bb8bda77d6492b790bb7ee66aee768ff7e39e430c92759dbfe13d474a6ff6"
+
 
 @jit()
 def wait_at_least(flags, index, value, spins):

@@ -39,6 +39,13 @@ from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, E8M0, F16, F32, F64, INFNA
                      SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S)
 from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _float32_from_bits, _prefetch, _splat, _view
 
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "39afec6516895e2ab1d014cde48c6d3c4c6a89c2cebc935a02450cd1c53bb8f2"
+
 # -- bits -> float32, in IR --------------------------------------------------------------
 
 
