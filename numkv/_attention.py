@@ -6,9 +6,12 @@ reshaped, not copied) -> masks as broadcast views -> causal / offset / windows
 kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +20,9 @@ from ._runtime import blas, pool
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
 from ._validate import as_array, as_float, as_int, as_int64, index_vector
+
+if TYPE_CHECKING:  # only for the annotations: numpy.typing is not imported at run time
+    from numpy.typing import ArrayLike
 
 # ONNX TensorProto codes: FLOAT, FLOAT16, DOUBLE, BFLOAT16.  DOUBLE makes the
 # kernel accumulate in float64; the others are met by float32 accumulation.
@@ -89,27 +95,88 @@ def _attention_kernels():
     return _kernels
 
 
-def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None,
-              nonpad_kv_seqlen=None, *, scale=None, is_causal=False,
-              q_num_heads=None, kv_num_heads=None, softcap=0.0,
-              softmax_precision=None, left_window_size=-1, right_window_size=-1):
+def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | None = None,
+              past_key: ArrayLike | None = None, past_value: ArrayLike | None = None,
+              nonpad_kv_seqlen: ArrayLike | None = None, *, scale: float | None = None,
+              is_causal: bool = False, q_num_heads: int | None = None, kv_num_heads: int | None = None,
+              softcap: float = 0.0, softmax_precision: int | None = None, left_window_size: int = -1,
+              right_window_size: int = -1) -> np.ndarray:
     """Scaled dot-product attention as the ONNX ``Attention`` op; returns ``Y``.
 
-    Q, K, V are ``(batch, heads, seq, head_size)`` or 3-D ``(batch, seq,
-    heads * head_size)`` with ``q_num_heads`` / ``kv_num_heads``.  MHA, GQA and
-    MQA; ``attn_mask`` bool (True attends) or additive float, broadcasting to
-    ``(batch, q_heads, q_seq, total_seq)`` (a shorter last dim is padded with
-    -inf / False); ``is_causal`` is bottom-right, offset by ``past_key``'s
-    length or by ``nonpad_kv_seqlen[b] - q_seq`` (an external cache);
-    ``left_window_size`` / ``right_window_size`` bound the keys around each
-    query's absolute position.  Softcap comes before the mask.  A query that
-    attends no key gets a zero row.
+    ``softmax(Q K^T * scale + bias) V`` with MHA, GQA and MQA (query head
+    ``h`` reads kv head ``h // (q_num_heads // kv_num_heads)``), a V head
+    size that may differ from Q/K's, self and cross attention.  Never
+    materialises the score matrix: a blocked kernel with an online softmax,
+    float32 accumulation (float64 for float64 Q, ``softmax_precision=11``, or
+    a softcap or float64 mask beyond float32's range).
 
-    Never materialises the score matrix: a blocked kernel with an online
-    softmax, float32 accumulation (float64 for float64 inputs or
-    ``softmax_precision=11``).  Y has Q's dtype (float32 for float8 Q).
-    ``softmax_precision`` asks for at least that precision in the softmax;
-    float16 and bfloat16 requests are met by the float32 accumulation.
+    Parameters
+    ----------
+    Q : array, shape ``(B, Hq, Sq, D)``, or ``(B, Sq, Hq * D)`` with ``q_num_heads``
+        Queries: float16, bfloat16, float32, float64 or an ``ml_dtypes`` float8
+        type.  Strided views are read in place (anything NumPy can view
+        without copying: ndarray subclasses, ``__array__``, ``__dlpack__``).
+    K : array, shape ``(B, Hkv, Skv, D)``, or ``(B, Skv, Hkv * D)`` with ``kv_num_heads``
+        Keys; ``Hq`` must be a multiple of ``Hkv``.
+    V : array, shape ``(B, Hkv, Skv, Dv)``, or ``(B, Skv, Hkv * Dv)``
+        Values.
+    attn_mask : array, optional
+        bool (True attends) or additive (integer or float), of any rank 1-4
+        that broadcasts to ``(B, Hq, Sq, T)`` with ``T = P + Skv`` the total
+        sequence length; a last dimension shorter than ``T`` is padded with
+        -inf / False.  Byte order does not matter.
+    past_key, past_value : array, shape ``(B, Hkv, P, D)`` / ``(B, Hkv, P, Dv)``, optional
+        A past to attend before ``K`` / ``V`` (given together; ``P`` may be 0).
+    nonpad_kv_seqlen : int array, shape ``(B,)``, optional
+        An external cache: row ``b`` attends keys ``j < nonpad_kv_seqlen[b]``
+        only (each in ``[0, Skv]``).  Not with ``past_key``.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    is_causal : bool
+        Query ``i`` attends key ``j`` iff ``j <= i + offset``, where
+        ``offset`` is ``P`` (the length of ``past_key``) with a past,
+        ``nonpad_kv_seqlen[b] - Sq`` with ``nonpad_kv_seqlen``, and **0**
+        otherwise: without a past or ``nonpad_kv_seqlen`` the diagonal is
+        top-left, as in ONNX and ``torch``, also when ``Skv > Sq``.  So a
+        decode step that passes all its keys as a plain ``K`` (``Sq=1``)
+        attends key 0 only; give the cache's length through
+        ``nonpad_kv_seqlen`` (or the keys before the new ones as
+        ``past_key``) for the bottom-right diagonal of a cache.
+    q_num_heads, kv_num_heads : int, optional
+        Required for 3-D inputs; for 4-D ones they must match the shapes.
+    softcap : float
+        ``softcap * tanh(score / softcap)`` before the mask when > 0.
+    softmax_precision : int, optional
+        An ONNX TensorProto code: 1 (FLOAT), 10 (FLOAT16), 11 (DOUBLE), 16
+        (BFLOAT16); at least that precision in the softmax.
+    left_window_size, right_window_size : int
+        Keys more than this many positions before / after a query's
+        absolute position (``i + offset``) are excluded; -1: unbounded.
+
+    Returns
+    -------
+    Y : ndarray, shape ``(B, Hq, Sq, Dv)`` (``(B, Sq, Hq * Dv)`` for 3-D inputs)
+        In Q's dtype (float32 for a float8 Q).  A query that attends no key
+        gets a zero row.  NaN in an attended score makes the row NaN; keys
+        excluded by the mask, the causal rule, a window or
+        ``nonpad_kv_seqlen`` never influence Y, even holding inf or NaN.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong type or dtype (named in the message).
+    ValueError
+        Shapes that do not fit, values out of range (named in the message).
+
+    Examples
+    --------
+    >>> import numpy as np, numkv
+    >>> rng = np.random.default_rng(0)
+    >>> Q = rng.standard_normal((1, 8, 1, 64), dtype=np.float32)       # one new token, 8 heads
+    >>> K = rng.standard_normal((1, 2, 100, 64), dtype=np.float32)     # a cache of 2 kv heads
+    >>> V = rng.standard_normal((1, 2, 100, 64), dtype=np.float32)
+    >>> numkv.attention(Q, K, V, nonpad_kv_seqlen=np.array([100]), is_causal=True).shape
+    (1, 8, 1, 64)
     """
     key = None
     if attn_mask is None and past_key is None and past_value is None and nonpad_kv_seqlen is None \
@@ -491,6 +558,9 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
     acc_dtype = _accumulation_dtype(Q.dtype, softmax_precision, softcap)
     mask = None
     if attn_mask is not None:
+        attn_mask = _mask_array(attn_mask)
+        if acc_dtype == _FLOAT32 and _beyond_float32(attn_mask):
+            acc_dtype = _FLOAT64
         mask, mask_len = _mask_view(attn_mask, (b, hq, sq, total), acc_dtype)
         np.minimum(valid, mask_len, out=valid)  # keys past the mask's end are -inf
 
@@ -527,6 +597,10 @@ def _float_input(x, name):
     if x is None:
         raise TypeError(f"{name} is required")
     x = as_array(x, name)
+    if not x.dtype.isnative:  # read in place, never copied: say how to make it native
+        raise TypeError(
+            f"{name} has dtype {x.dtype.str} in non-native byte order; pass "
+            f"{name}.astype({name}.dtype.newbyteorder('=')) (numkv reads Q, K and V in place)")
     if not is_attention_dtype(x.dtype):
         raise TypeError(
             f"{name} has dtype {x.dtype}; Attention takes float16, bfloat16, float32, float64 "
@@ -608,14 +682,35 @@ def _window(value, name, unbounded):
     return -1 if value >= unbounded else value
 
 
-def _mask_view(attn_mask, target, acc_dtype):
-    """The mask as an additive ``acc_dtype`` broadcast view of shape
-    ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
+def _mask_array(attn_mask):
+    """``attn_mask`` as an ndarray of a mask dtype in native byte order (every
+    dtype alike: a big-endian float mask is read like a big-endian integer
+    one, through a native copy -- the mask is converted anyway)."""
     mask = as_array(attn_mask, "attn_mask")
+    if not mask.dtype.isnative:
+        mask = mask.astype(mask.dtype.newbyteorder("="))
     if not is_mask_dtype(mask.dtype):
         raise TypeError(
             f"attn_mask has dtype {mask.dtype}; it must be bool, an integer, or a float type "
             f"Attention takes (float16, bfloat16, float32, float64, float8)")
+    return mask
+
+
+def _beyond_float32(mask):
+    """Whether a float64 mask holds finite values float32 cannot (|x| above
+    its max): cast, they would become inf and an attended +inf a NaN row
+    (``inf - inf``), where the reference, adding them in float64, gives
+    finite values.  Such a mask makes the call accumulate in float64, which
+    gives the reference's values (as a softcap beyond float32 does)."""
+    if mask.dtype != _FLOAT64 or not mask.size:
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(((np.abs(mask) > _F32_MAX) & np.isfinite(mask)).any())
+
+
+def _mask_view(mask, target, acc_dtype):
+    """The mask (from ``_mask_array``) as an additive ``acc_dtype`` broadcast
+    view of shape ``(B, Hq, Sq, L)`` (zero strides where it broadcasts), and ``L``."""
     if not 1 <= mask.ndim <= 4:
         raise ValueError(f"attn_mask must have rank 1 to 4, got rank {mask.ndim}")
     b, hq, sq, total = target

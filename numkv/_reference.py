@@ -34,22 +34,57 @@ def attention_reference(call):
         length = call.mask.shape[3]
         bias = bias + np.pad(call.mask, [(0, 0)] * 3 + [(0, total - length)],
                              constant_values=-np.inf) if length < total else bias + call.mask
-    with_bias = scores + bias
+    with np.errstate(invalid="ignore"):
+        with_bias = scores + bias  # the reference's qk_matmul_output (mode 2): NaN where 0 * inf is
+    # API.md: a key excluded by the mask, the causal rule, a window or the
+    # valid length never influences Y, even where its K holds inf or NaN
+    # (the reference's ``-inf + nan`` is NaN): excluded scores are -inf.
+    excluded = np.isneginf(bias)
+    attended = np.where(excluded, acc.type(-np.inf), with_bias)
 
     # A row whose bias is all -inf attends nothing: zeros, not NaN (decided on
     # the bias, as the onnx reference does).
     masked_rows = np.isneginf(bias.max(axis=-1, keepdims=True)) if total else np.ones(
         bias.shape[:3] + (1,), bool)
-    row_max = np.where(masked_rows, 0, with_bias.max(axis=-1, keepdims=True) if total else 0)
+    row_max = np.where(masked_rows, 0, attended.max(axis=-1, keepdims=True) if total else 0)
     with np.errstate(invalid="ignore", over="ignore"):
-        e = np.exp(with_bias - row_max)
+        e = np.exp(attended - row_max)
         denom = e.sum(axis=-1, keepdims=True)
         probs = np.where(masked_rows, acc.type(0), e / np.where(denom == 0, 1, denom))
 
-    y4 = np.einsum("bhgst,bhtd->bhgsd", probs.reshape(b, hkv, group, sq, total), v)
+    attends = ~excluded  # (B, Hq, Sq, T), or (B, 1, Sq, T) without a mask
+    attends = attends.reshape(b, hkv, group, sq, total) if attends.shape[1] == hq else attends[:, :, None]
+    y4 = _weighted_values(probs.reshape(b, hkv, group, sq, total), attends, v, acc)
     y, y_view = call.new_output()
-    y_view[...] = y4.reshape(b, hq, sq, -1)
+    y_view[...] = y4.reshape(b, hq, sq, v.shape[3])
     return y, scores, with_bias, probs
+
+
+def _weighted_values(probs, attended, v, acc):
+    """``sum_t probs[..., t] * v[t]`` over the keys a query attends only (as
+    the kernel does): a key excluded by the mask, the causal rule, a window
+    or the valid length never reaches Y, even with an inf or NaN in its V
+    (where ``0 * inf`` would be NaN).  ``attended`` broadcasts to ``probs``
+    (one row per kv head when the bias does not depend on the query head).
+    An attended key multiplies its V whatever its weight, as in the
+    reference: NaN for a NaN, for an infinity of weight 0 (underflowed) and
+    for +inf beside -inf; else that infinity."""
+    finite = np.isfinite(v)
+    y = np.einsum("bhgst,bhtd->bhgsd", probs, np.where(finite, v, acc.type(0)))
+    if finite.all():
+        return y
+    attended = np.broadcast_to(attended, probs.shape)
+    weighted = attended & (probs > 0)
+
+    def count(keys, values):
+        return np.einsum("bhgst,bhtd->bhgsd", keys.astype(acc), values.astype(acc))
+
+    infinite = np.isinf(v)
+    nan = count(attended, np.isnan(v)) + count(attended & (probs == 0), infinite)
+    pos, neg = count(weighted, np.isposinf(v)), count(weighted, np.isneginf(v))
+    y = np.where(pos > 0, acc.type(np.inf), y)
+    y = np.where(neg > 0, acc.type(-np.inf), y)
+    return np.where((nan > 0) | ((pos > 0) & (neg > 0)), acc.type(np.nan), y)
 
 
 def _allowed(call, sq, total):

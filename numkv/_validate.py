@@ -96,6 +96,22 @@ def as_int64(value, name):
     return value
 
 
+def as_count(value, name, minimum=0):
+    """A plain integer ``>= minimum`` within int64 (bools rejected)."""
+    value = as_int64(value, name)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def as_flag(value, name):
+    """A bool (or NumPy bool): ``TypeError`` for anything else, so that a
+    string such as ``"False"`` is never taken as true."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def as_float(value, name):
     """A real number as a Python float (bools, strings and complex rejected);
     an integer too large for a float is a ``ValueError``."""

@@ -20,21 +20,31 @@ in ``numkv.layers``.
 Errors follow API.md: shapes and modes -> ``ValueError``, a key or value of
 another dtype -> ``TypeError`` (never a silent cast).  Everything is checked
 before anything is written, so a failed ``append`` leaves the cache unchanged.
+A key or value that overlaps the cache's own buffers (a view of them) is
+copied before the write, so it is stored as it was before the call.
+
+A cache is not thread-safe: ``append``, ``crop`` and ``reset`` read and then
+replace its lengths, so two threads appending to one cache at once lose
+tokens (and may write over each other's).  Give each thread its own cache, or
+hold a lock around every call that changes one.  (Reading ``get()`` views
+while no thread writes is safe.)
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._dtypes import is_cache_dtype
 from ._scatter import MODES, tensor_scatter
-from ._validate import as_array, as_int64, index_vector
+from ._validate import as_array, as_count, as_int64, index_vector
+
+if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
+    from numpy.typing import DTypeLike
 
 
-def _count(value, name, minimum):
-    """A plain integer argument ``>= minimum`` (bools rejected, int64 at most)."""
-    value = as_int64(value, name)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+_count = as_count  # a plain integer argument >= minimum (bools rejected, int64 at most)
 
 
 def _as_kv(array, name):
@@ -69,17 +79,33 @@ class _KVCache:
 
     # -- lengths -----------------------------------------------------------
     @property
-    def seq_lens(self):
-        """Tokens appended to each row since the last ``reset`` (int64, a copy).
+    def seq_lens(self) -> np.ndarray:
+        """Tokens appended to each row since the last ``reset``: int64 ``(B,)``,
+        a copy; also the absolute position each row's next token will take.
 
-        For a linear cache this is each row's valid prefix, usable directly as
-        ``numkv.attention``'s ``nonpad_kv_seqlen`` over ``get()`` or the buffers.
-        It is also the absolute position the row's next token will take.
+        In a linear cache it is each row's valid prefix, and may be passed as
+        ``numkv.attention``'s ``nonpad_kv_seqlen`` over ``get()`` (or the
+        buffers) where that valid prefix is all that matters:
+
+        * without ``is_causal`` (and windows): queries that may see every
+          token held, e.g. a decode step's one query per row after its key
+          was appended;
+        * with ``is_causal=True`` only when the ``Sq`` queries of ``Q`` are
+          the last ``Sq`` tokens of *every* row, i.e. the queries of an append
+          made without ``lengths`` (or with ``lengths`` all equal to ``S``):
+          the causal offset is ``nonpad_kv_seqlen[b] - Sq``.
+
+        After an append with ``lengths`` (a right-padded chunk), row ``b``'s
+        queries start at its old length, not at ``seq_lens[b] - S``, so
+        ``seq_lens`` would shift the causal diagonal left and real queries
+        would lose keys (or attend none: zero rows).  Use
+        ``attention_inputs()`` there, and always for a circular cache (slot
+        order is not position order).
         """
         return self._lens.copy()
 
     @property
-    def seq_len(self):
+    def seq_len(self) -> int:
         """The longest row's ``seq_lens`` (0 when empty)."""
         return int(self._lens.max()) if self._lens.size else 0
 
@@ -116,6 +142,22 @@ class _KVCache:
             )
 
     # -- the write ---------------------------------------------------------
+    def _detach(self, key, value):
+        """``key`` and ``value``, copied where they may overlap a buffer this
+        append writes.  The key buffer is written before the value buffer is
+        read, so a value that is a view of the key buffer (or a key that is a
+        view of either) would otherwise be read after it was overwritten.
+        ``np.may_share_memory`` compares bounds only (no exact solve): a false
+        positive costs a copy of the new tokens, O(new tokens) like the write."""
+        buffers = [b for b in (self._k, self._v) if b is not None]
+        # An array that owns its memory overlaps the buffers (which own theirs)
+        # only by being one of them: no bounds check for it.
+        if any(key is b or (key.base is not None and np.may_share_memory(key, b)) for b in buffers):
+            key = key.copy()
+        if any(value is b or (value.base is not None and np.may_share_memory(value, b)) for b in buffers):
+            value = value.copy()
+        return key, value
+
     def _write(self, key, value, start, gained):
         """Scatter at each row's own position, in place: O(new tokens)."""
         if key.shape[2]:
@@ -124,12 +166,18 @@ class _KVCache:
         self._last = (start, key.shape[2])
         self._lens = start + gained
 
-    def get(self):
-        """``(keys, values)``: views of the buffers up to the longest row, no copy.
+    def get(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Views of what the cache holds, no copy.
 
-        Rows shorter than ``seq_len`` hold stale data past their own length;
-        ``seq_lens`` says where each row ends.  The views alias the cache: later
-        appends write through them.
+        Returns
+        -------
+        keys : ndarray, shape ``(B, H, n, D)``, or None (an empty ``DynamicKVCache``)
+        values : ndarray, shape ``(B, H, n, Dv)``, or None
+            ``n`` is the longest row's length (``seq_len``; for a circular
+            cache at most ``max_seq_len``, in slot order: ``positions()``).
+            Rows shorter than ``n`` hold stale data past their own length;
+            ``seq_lens`` says where each row ends.  The views alias the cache:
+            later appends write through them.
         """
         if self._k is None:
             return None, None
@@ -139,11 +187,24 @@ class _KVCache:
     def _held(self):
         return self.seq_len
 
-    def attention_inputs(self):
+    def attention_inputs(self) -> dict:
         """Keyword arguments for ``numkv.attention(Q, **inputs)`` where ``Q``
         holds the queries of the last ``append`` (``S`` of them per row, at
         absolute positions ``seq_lens_before[b] + i``).
 
+        Returns
+        -------
+        dict
+            ``K``, ``V`` (views of the buffers) and ``nonpad_kv_seqlen`` /
+            ``is_causal`` or ``attn_mask``.
+
+        Raises
+        ------
+        ValueError
+            Without a previous append (or after ``crop``).
+
+        Notes
+        -----
         Linear caches: ``K``/``V`` up to the furthest written position, with
         ``nonpad_kv_seqlen = start + S`` and ``is_causal=True``, which puts the
         causal diagonal at offset ``start[b]`` per row (API.md: offset =
@@ -185,10 +246,17 @@ class _KVCache:
             return np.minimum(self._lens, n)
         return np.maximum(self._lens + n, 0)
 
-    def crop(self, n):
+    def crop(self, n: int) -> None:
         """Keep the first ``n`` tokens of each row (``n < 0``: drop ``-n`` from
         each row's end), e.g. to roll back rejected speculative tokens.  Only
-        the lengths change; the dropped positions are overwritten later."""
+        the lengths change; the dropped positions are overwritten later.
+
+        Parameters
+        ----------
+        n : int
+            Tokens to keep per row (rows shorter keep theirs), or, negative,
+            tokens to drop from each row's end.
+        """
         self._lens = self._crop_lengths(n)
         self._last = None
 
@@ -196,41 +264,84 @@ class _KVCache:
 class DynamicKVCache(_KVCache):
     """A KV cache that grows as tokens arrive.
 
-    The first ``append`` fixes batch size, heads, head sizes and dtype.  Keys
-    and values live in a preallocated ``(B, H, capacity, D)`` buffer whose
-    capacity doubles when it runs out, so ``n`` appends cost O(n) amortised
-    copying instead of the O(n^2) of concatenating per token.  Supports the
-    same ragged rows and ``lengths`` as ``StaticKVCache`` (linear mode).
+    The first ``append`` fixes batch size, heads, head sizes (and the dtype,
+    unless the constructor did).  Keys and values live in a preallocated
+    ``(B, H, capacity, D)`` buffer whose capacity doubles when it runs out,
+    so ``n`` appends cost O(n) amortised copying instead of the O(n^2) of
+    concatenating per token.  Supports the same ragged rows and ``lengths``
+    as ``StaticKVCache`` (linear mode).  Not thread-safe (module docstring).
+
+    Parameters
+    ----------
+    dtype : dtype, optional
+        The dtype every key and value must have (``TypeError`` otherwise);
+        None: the first append's.  Any fixed-width ``tensor_scatter`` dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, numkv
+    >>> cache = numkv.DynamicKVCache()
+    >>> k = np.zeros((2, 4, 3, 8), np.float32)          # (batch, kv heads, new, head_dim)
+    >>> keys, values = cache.append(k, k)
+    >>> keys.shape, cache.seq_lens.tolist()
+    ((2, 4, 3, 8), [3, 3])
     """
 
     MIN_CAPACITY = 16
 
-    def __init__(self):
+    def __init__(self, *, dtype: DTypeLike | None = None) -> None:
+        # None: the first append's dtype; else every key and value must have this one.
+        self._dtype = None if dtype is None else _cache_dtype(dtype)
         self.reset()
 
-    def reset(self):
-        """Forget everything, shapes and dtype included (buffers released)."""
+    def reset(self) -> None:
+        """Forget everything, shapes included (buffers released); a dtype given
+        to the constructor stays."""
         self._k = self._v = None
         self._lens = np.zeros(0, np.int64)
         self._last = None
 
     @property
-    def dtype(self):
-        """The stored dtype (``None`` before the first append)."""
-        return None if self._k is None else self._k.dtype
+    def dtype(self) -> np.dtype | None:
+        """The stored dtype: the constructor's, else the first append's
+        (``None`` before it)."""
+        return self._dtype if self._k is None else self._k.dtype
 
     @property
-    def capacity(self):
+    def capacity(self) -> int:
+        """Positions the buffers hold now (0 before the first append); doubles
+        when an append needs more."""
         return 0 if self._k is None else self._k.shape[2]
 
     max_chunk = None  # any number of new positions per append
 
-    def append(self, key, value, lengths=None):
-        """Append ``key`` ``(B, H, S, D)`` and ``value`` ``(B, H, S, Dv)`` at each
-        row's length; returns ``get()`` (views of everything cached).
+    def append(self, key: np.ndarray, value: np.ndarray,
+               lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Append new keys and values at each row's length.
 
-        ``lengths`` (optional, ``(B,)`` ints in ``[0, S]``): real tokens per
-        row; the rest of the ``S`` positions are padding, not counted.
+        Parameters
+        ----------
+        key : ndarray, shape ``(B, H, S, D)``
+            New keys, in the cache's dtype (no implicit cast).  A view of the
+            cache's own buffers is copied first.
+        value : ndarray, shape ``(B, H, S, Dv)``
+            New values, same dtype.
+        lengths : int array, shape ``(B,)``, optional
+            Real tokens per row, each in ``[0, S]``; the rest of the ``S``
+            positions are padding (written, not counted).  Default: all ``S``.
+
+        Returns
+        -------
+        keys, values : ndarray
+            ``get()``: views of everything cached.
+
+        Raises
+        ------
+        TypeError
+            A key or value of another dtype, or not an array.
+        ValueError
+            A batch / head / head size mismatch, bad ``lengths``; nothing is
+            written then.
         """
         if self._k is None:
             # The first append fixes the shapes and dtype the others must match.
@@ -239,7 +350,8 @@ class DynamicKVCache(_KVCache):
                 raise TypeError(f"key has dtype {key.dtype}, which a KV cache cannot hold "
                                 f"(a fixed-width TensorScatter type)")
             batch, heads, _, head_dim = key.shape
-            v_head_dim, dtype = value.shape[3], key.dtype
+            v_head_dim = value.shape[3]
+            dtype = key.dtype if self._dtype is None else self._dtype
             start = np.zeros(batch, np.int64)
         else:
             batch, heads, _, head_dim = self._k.shape
@@ -249,6 +361,7 @@ class DynamicKVCache(_KVCache):
         new = key.shape[2]
         gained = self._new_lengths(lengths, batch, new)
         # Validated: from here on nothing can fail but memory allocation.
+        key, value = self._detach(key, value)
         if self._k is None:
             shape = (batch, heads, max(self.MIN_CAPACITY, new))
             self._k = np.zeros(shape + (head_dim,), key.dtype)
@@ -273,6 +386,40 @@ class DynamicKVCache(_KVCache):
 
 class StaticKVCache(_KVCache):
     """A preallocated KV cache: ``(B, H, max_seq_len, D)`` key and value buffers.
+
+    Parameters
+    ----------
+    batch_size : int
+        Rows ``B`` (>= 0); each keeps its own length (``seq_lens``).
+    num_heads : int
+        Key/value heads ``H`` (>= 1): the *kv* heads of a GQA/MQA layer
+        (``num_kv_heads``), not its query heads.
+    max_seq_len : int
+        Positions per row (>= 1): the capacity of a linear cache, the ring's
+        slots of a circular one.
+    head_dim : int
+        Key head size ``D`` (>= 1).
+    dtype : dtype, default float32
+        Any fixed-width ``tensor_scatter`` dtype; keys and values must arrive in it.
+    v_head_dim : int, optional
+        Value head size ``Dv``; default ``head_dim``.
+    mode : {"linear", "circular"}
+        ``"circular"``: a sliding-window ring (below).
+    window : int, optional
+        Circular mode only: positions each query attends, in
+        ``[1, max_seq_len]``; default ``max_seq_len``.
+
+    Raises
+    ------
+    TypeError
+        A non-integer size, a dtype a cache cannot hold.
+    ValueError
+        A size out of range, an unknown mode, a window without circular mode
+        or beyond ``max_seq_len``, buffers too big for one array.
+
+    Notes
+    -----
+    Not thread-safe: see the module docstring (one cache per thread, or a lock).
 
     ``append`` writes each row's new keys at that row's own length with
     ``numkv.tensor_scatter(buffer, key, seq_lens, axis=2, mode=mode,
@@ -300,9 +447,10 @@ class StaticKVCache(_KVCache):
       first queries still need when ``window`` fills the ring.  Hence the
       capacity must be ``>= window + S - 1`` for a chunk that is attended:
       ``max_chunk = max_seq_len - window + 1``.  ``append`` itself takes up to
-      ``max_seq_len`` positions (a ring keeps the last ones), but
-      ``attention_inputs()`` refuses (``ValueError``) after an append longer
-      than ``max_chunk``.  Give the cache a window smaller than its capacity
+      ``max_seq_len`` positions, but refuses (``ValueError``, before writing
+      anything) one longer than ``max_chunk`` that wraps the ring, whose last
+      keys would overwrite keys its first queries attend; a longer one that
+      does not wrap overwrote nothing, and ``attention_inputs()`` serves it.  Give the cache a window smaller than its capacity
       to prefill in chunks; ``CachedSelfAttention`` splits longer inputs into
       chunks of ``max_chunk`` by itself.  (The other answer, attending before
       writing, would need old and new keys in one ``K`` without a copy.)
@@ -310,10 +458,23 @@ class StaticKVCache(_KVCache):
     In circular mode ``seq_lens`` still counts every token appended (the
     absolute position of the next one); the ring holds the last
     ``min(seq_lens[b], max_seq_len)`` of them, ``positions()`` says which.
+
+    Examples
+    --------
+    >>> import numpy as np, numkv
+    >>> cache = numkv.StaticKVCache(2, 4, 128, 8)       # batch 2, 4 kv heads, 128 positions
+    >>> k = np.zeros((2, 4, 5, 8), np.float32)
+    >>> keys, values = cache.append(k, k, lengths=np.array([5, 3]))   # ragged rows
+    >>> cache.seq_lens.tolist(), keys.shape
+    ([5, 3], (2, 4, 5, 8))
+    >>> Q = np.zeros((2, 8, 5, 8), np.float32)          # the chunk's queries, 8 query heads
+    >>> numkv.attention(Q, **cache.attention_inputs()).shape
+    (2, 8, 5, 8)
     """
 
-    def __init__(self, batch_size, num_heads, max_seq_len, head_dim, *, dtype=np.float32,
-                 v_head_dim=None, mode="linear", window=None):
+    def __init__(self, batch_size: int, num_heads: int, max_seq_len: int, head_dim: int, *,
+                 dtype: DTypeLike = np.float32, v_head_dim: int | None = None, mode: str = "linear",
+                 window: int | None = None) -> None:
         batch_size = _count(batch_size, "batch_size", 0)
         num_heads = _count(num_heads, "num_heads", 1)
         max_seq_len = _count(max_seq_len, "max_seq_len", 1)
@@ -341,30 +502,34 @@ class StaticKVCache(_KVCache):
         self.reset()
 
     @property
-    def key_buffer(self):
+    def key_buffer(self) -> np.ndarray:
         """The whole ``(B, H, max_seq_len, D)`` key buffer (the cache's own array)."""
         return self._k
 
     @property
-    def value_buffer(self):
+    def value_buffer(self) -> np.ndarray:
+        """The whole ``(B, H, max_seq_len, Dv)`` value buffer (the cache's own array)."""
         return self._v
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
+        """The dtype of the buffers."""
         return self._k.dtype
 
     @property
-    def capacity(self):
+    def capacity(self) -> int:
+        """``max_seq_len``: positions per row."""
         return self._k.shape[2]
 
     max_seq_len = capacity
 
     @property
-    def max_chunk(self):
-        """The most new positions one append takes (circular mode), else None."""
+    def max_chunk(self) -> int | None:
+        """Circular mode: the most new positions one append may take and still
+        be attended (``max_seq_len - window + 1``); None in linear mode."""
         return self.capacity - self.window + 1 if self.mode == "circular" else None
 
-    def reset(self):
+    def reset(self) -> None:
         """Empty every row; the buffers stay allocated (and are not cleared)."""
         self._lens = np.zeros(self._k.shape[0], np.int64)
         # Circular mode: per row, one past the furthest position written since
@@ -372,16 +537,37 @@ class StaticKVCache(_KVCache):
         self._high = np.zeros(self._k.shape[0], np.int64)
         self._last = None
 
-    def append(self, key, value, lengths=None):
-        """Write ``key`` ``(B, H, S, D)`` / ``value`` ``(B, H, S, Dv)`` at each row's
-        ``seq_lens``; returns ``get()`` (views).
+    def append(self, key: np.ndarray, value: np.ndarray,
+               lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Write new keys and values at each row's ``seq_lens``, in place
+        (``tensor_scatter(..., out=buffer)``), O(new tokens).
 
-        ``lengths`` (optional ``(B,)`` ints in ``[0, S]``): how many of the ``S``
-        positions of each row are real tokens; the rest are padding (written,
-        so they must fit, but not counted).  Raises before writing anything:
-        ``TypeError`` for another dtype, ``ValueError`` for a batch / head /
-        head size mismatch, an overflow (linear), more than ``max_seq_len``
-        positions or padding that would overwrite keys still needed (circular).
+        Parameters
+        ----------
+        key : ndarray, shape ``(B, H, S, D)``
+            New keys, in the cache's dtype (no implicit cast).  A view of the
+            cache's own buffers is copied first.
+        value : ndarray, shape ``(B, H, S, Dv)``
+            New values, same dtype.
+        lengths : int array, shape ``(B,)``, optional
+            How many of the ``S`` positions of each row are real tokens, each
+            in ``[0, S]``; the rest are padding (written, so they must fit, but
+            not counted).  Default: all ``S``.
+
+        Returns
+        -------
+        keys, values : ndarray
+            ``get()``: views of the buffers.
+
+        Raises
+        ------
+        TypeError
+            Another dtype, or not an array.
+        ValueError
+            A batch / head / head size mismatch, bad ``lengths``, an overflow
+            (linear); more than ``max_seq_len`` positions, padding that would
+            overwrite keys still needed, or more than ``max_chunk`` positions
+            that wrap the ring (circular).  Nothing is written then.
         """
         batch, heads, _, head_dim = self._k.shape
         key, value = self._check_pair(key, value, batch, heads, head_dim, self._v.shape[3], self._k.dtype)
@@ -395,10 +581,29 @@ class StaticKVCache(_KVCache):
                 raise ValueError(f"{new} new positions > max_seq_len {self.capacity} of the circular cache")
             high = np.maximum(self._high, start + new)
             self._check_ring(start + gained, high, "padding written by this append")
+            self._check_chunk(start, new)
+        key, value = self._detach(key, value)
         self._write(key, value, start, gained)
         if self.mode == "circular":
             self._high = high
         return self.get()
+
+    def _check_chunk(self, start, new):
+        """Circular mode: a chunk of ``new > max_chunk`` positions that wraps
+        the ring (``start[b] + new > max_seq_len``) overwrites, with its last
+        keys, keys of positions its first queries attend: refuse it before
+        anything is written (the caller can split it and try again).  A
+        longer chunk that does not wrap loses nothing."""
+        if new <= self.max_chunk:
+            return
+        bad = np.flatnonzero(start + new > self.capacity)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"an append of {new} positions > max_chunk = {self.max_chunk} (max_seq_len "
+                f"{self.capacity} - window {self.window} + 1) at row {b}'s position {start[b]} wraps "
+                f"the circular cache: its last keys would overwrite keys its first queries attend; "
+                f"append at most max_chunk positions at a time")
 
     def _check_ring(self, lens, high, culprit):
         """Circular mode: a later chunk of up to ``max_chunk`` queries from
@@ -421,7 +626,7 @@ class StaticKVCache(_KVCache):
     def _held(self):
         return min(self.seq_len, self.capacity) if self.mode == "circular" else self.seq_len
 
-    def positions(self):
+    def positions(self) -> np.ndarray:
         """Absolute position held by each slot of ``get()``, ``(B, slots)``
         int64, -1 where a slot holds nothing (yet) for that row."""
         n = self._held()
@@ -436,7 +641,7 @@ class StaticKVCache(_KVCache):
         pos = end - 1 - (end - 1 - np.arange(n)) % self.capacity
         return np.where(pos >= 0, pos, -1)
 
-    def attention_inputs(self):
+    def attention_inputs(self) -> dict:
         """See ``_KVCache.attention_inputs``.  Circular mode: the held slots
         with a boolean ``attn_mask`` ``(B, 1, S, slots)`` that lets query
         ``q = start[b] + i`` attend the slot holding position ``p`` iff
@@ -450,13 +655,9 @@ class StaticKVCache(_KVCache):
             return super().attention_inputs()
         if self._last is None:
             raise ValueError("attention_inputs() needs a previous append")
+        # append() refused every chunk whose last keys overwrote keys its first
+        # queries attend (_check_chunk), so whatever it wrote can be served.
         start, new = self._last
-        if new > self.max_chunk:
-            raise ValueError(
-                f"the last append wrote {new} positions, more than max_chunk = {self.max_chunk} "
-                f"(max_seq_len {self.capacity} - window {self.window} + 1): its last keys overwrote "
-                f"keys its first queries need; append at most max_chunk positions before attending"
-            )
         extent = start + new
         n = min(int(extent.max()) if extent.size else 0, self.capacity)
         K, V = self._k[:, :, :n], self._v[:, :, :n]
@@ -469,7 +670,7 @@ class StaticKVCache(_KVCache):
         mask = (pos >= 0) & (pos <= query) & (pos > query - self.window)
         return dict(K=K, V=V, attn_mask=mask[:, None])
 
-    def crop(self, n):
+    def crop(self, n: int) -> None:
         """Keep the first ``n`` tokens of each row (``n < 0``: drop ``-n`` per
         row).  Circular mode allows it only while the positions the next
         queries need have not been overwritten (``ValueError`` otherwise)."""

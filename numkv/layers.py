@@ -12,13 +12,19 @@ The weights are seeded random float32 arrays: these models exist to exercise
 and time the caches (``python -m numkv demo``), not to say anything sensible.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
-from ._validate import as_array, index_vector
-from .cache import DynamicKVCache, StaticKVCache
+from ._validate import as_array, as_count, as_flag, as_float, index_vector
+from .cache import DynamicKVCache, StaticKVCache, _KVCache
+
+if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
+    from numpy.typing import DTypeLike
 
 
 def _attention(Q, K, V, **kwargs):
@@ -27,6 +33,16 @@ def _attention(Q, K, V, **kwargs):
     from ._attention import attention
 
     return attention(Q, K, V, **kwargs)
+
+
+def _window(window):
+    """``window``: None or an integer >= 1."""
+    return None if window is None else as_count(window, "window", 1)
+
+
+def _seed(seed):
+    """A seed for ``numpy.random.default_rng``: an integer >= 0."""
+    return as_count(seed, "seed", 0)
 
 
 def _lengths(lengths, batch, new):
@@ -77,34 +93,71 @@ def _init(rng, fan_in, fan_out, scale=1.0):
 class CachedSelfAttention:
     """Causal multi-head self-attention with an optional KV cache.
 
-    ``CachedSelfAttention(embed_dim, num_heads, num_kv_heads=None, *, seed=0)``
-    holds float32 ``w_q (E, Hq*D)``, ``w_k``/``w_v (E, Hkv*D)``, ``w_o (Hq*D, E)``
-    with ``D = embed_dim // num_heads``.  ``head_dim`` overrides ``D``;
-    ``rope_base`` turns on rotary position embedding of queries and keys.
+    Holds float32 seeded random weights ``w_q (E, Hq*D)``, ``w_k``/``w_v
+    (E, Hkv*D)`` and ``w_o (Hq*D, E)``.
 
-    ``layer(x, cache=None, use_cache=False)`` maps ``x`` ``(B, S, E)`` to ``y``
-    of the same shape:
+    Parameters
+    ----------
+    embed_dim : int
+        ``E``, the size of each token's vector (>= 1).
+    num_heads : int
+        Query heads ``Hq`` (>= 1).
+    num_kv_heads : int, optional
+        Key/value heads ``Hkv`` (GQA/MQA when fewer than ``Hq``; ``Hq`` must
+        be a multiple).  Default ``num_heads``.
+    seed : int, default 0
+        Seed of the weights (>= 0).
+    head_dim : int, optional
+        ``D``; default ``embed_dim // num_heads`` (which must divide).
+    rope_base : float, optional
+        Turns on rotary position embedding of queries and keys with this
+        base (positive; ``D`` must be even).
+
+    Notes
+    -----
+    ``layer(x, cache=None, use_cache=False, *, lengths=None, window=None)``
+    maps ``x`` ``(B, S, E)`` to ``y`` of the same shape (float32):
 
     * without a cache, causal attention over ``x`` itself
       (``numkv.attention(..., is_causal=True)``);
     * with ``use_cache=True``, the new keys/values are appended to ``cache`` (a
-      ``DynamicKVCache`` or ``StaticKVCache``, any dtype: keys/values are cast
-      to it here, explicitly) and the queries attend everything cached with the
-      offset causal mask: query ``i`` of row ``b`` sits at absolute position
-      ``seq_lens[b] + i``.  Multi-token inputs (chunked prefill) and ragged
-      rows work; a circular cache's window applies, and inputs longer than its
-      ``max_chunk`` are split into chunks.
+      ``DynamicKVCache`` or ``StaticKVCache``, any float dtype: keys/values are
+      cast to it here, explicitly) and the queries attend everything cached
+      with the offset causal mask: query ``i`` of row ``b`` sits at absolute
+      position ``seq_lens[b] + i``.  Multi-token inputs (chunked prefill) and
+      ragged rows work; a circular cache's window applies, and inputs longer
+      than its ``max_chunk`` are split into chunks.
 
-    Keyword-only extras: ``lengths`` ``(B,)`` — real tokens per row of a
-    right-padded ``x`` (the cache counts only those); ``window`` — attend only
-    the last ``window`` positions (sliding-window attention; must match a
-    circular cache's own window).
+    ``lengths`` ``(B,)``: real tokens per row of a right-padded ``x`` (the
+    cache counts only those; outputs at padding positions are meaningless).
+    ``window``: attend only the last ``window`` positions (sliding-window
+    attention, on every path; must match a circular cache's own window).
+    A cache given with ``use_cache=False`` is refused rather than ignored.
+
+    Examples
+    --------
+    >>> import numpy as np, numkv
+    >>> layer = numkv.CachedSelfAttention(64, 8, 2)           # E=64, 8 query heads, 2 kv heads
+    >>> cache = layer.new_cache(batch_size=1, max_seq_len=32)
+    >>> x = np.ones((1, 5, 64), np.float32)
+    >>> y = layer(x, cache, use_cache=True)                      # prefill 5 tokens
+    >>> y = layer(x[:, -1:], cache, use_cache=True)              # one decode step
+    >>> y.shape, cache.seq_lens.tolist()
+    ((1, 1, 64), [6])
     """
 
-    def __init__(self, embed_dim, num_heads, num_kv_heads=None, *, seed=0, head_dim=None,
-                 rope_base=None):
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 seed: int = 0, head_dim: int | None = None, rope_base: float | None = None) -> None:
+        embed_dim = as_count(embed_dim, "embed_dim", 1)
+        num_heads = as_count(num_heads, "num_heads", 1)
+        num_kv_heads = num_heads if num_kv_heads is None else as_count(num_kv_heads, "num_kv_heads", 1)
+        seed = _seed(seed)
+        head_dim = None if head_dim is None else as_count(head_dim, "head_dim", 1)
+        if rope_base is not None:
+            rope_base = as_float(rope_base, "rope_base")
+            if not 0 < rope_base < math.inf:
+                raise ValueError(f"rope_base must be a positive finite number, got {rope_base}")
+        if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
             )
@@ -122,11 +175,32 @@ class CachedSelfAttention:
         self.w_v = _init(rng, embed_dim, num_kv_heads * head_dim)
         self.w_o = _init(rng, num_heads * head_dim, embed_dim)
 
-    def new_cache(self, batch_size, max_seq_len=None, *, dtype=np.float32, mode="linear", window=None):
-        """A cache shaped for this layer: ``DynamicKVCache()`` when
-        ``max_seq_len`` is None, else a ``StaticKVCache``."""
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None, *, dtype: DTypeLike = np.float32,
+                  mode: str = "linear", window: int | None = None) -> DynamicKVCache | StaticKVCache:
+        """A cache shaped for this layer (``num_kv_heads`` heads of ``head_dim``).
+
+        Parameters
+        ----------
+        batch_size : int
+            Rows of the inputs the cache will serve.
+        max_seq_len : int, optional
+            None: a ``DynamicKVCache(dtype=dtype)`` (linear, grows); else a
+            ``StaticKVCache`` of this many positions per row.
+        dtype : dtype, default float32
+            The cache's dtype (a float type the layer can attend).
+        mode, window
+            A ``StaticKVCache``'s (``"circular"`` and its window need ``max_seq_len``).
+
+        Returns
+        -------
+        DynamicKVCache or StaticKVCache
+        """
         if max_seq_len is None:
-            return DynamicKVCache()
+            if mode != "linear" or window is not None:
+                raise ValueError("a circular cache (mode, window) needs max_seq_len: a DynamicKVCache "
+                                 "is linear")
+            as_count(batch_size, "batch_size", 0)
+            return DynamicKVCache(dtype=dtype)
         return StaticKVCache(batch_size, self.num_kv_heads, max_seq_len, self.head_dim,
                              dtype=dtype, mode=mode, window=window)
 
@@ -134,17 +208,41 @@ class CachedSelfAttention:
         b, s, _ = x.shape
         return x.reshape(b, s, heads, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x, cache=None, use_cache=False, *, lengths=None, window=None):
+    def __call__(self, x: np.ndarray, cache: DynamicKVCache | StaticKVCache | None = None,
+                 use_cache: bool = False, *, lengths: np.ndarray | None = None,
+                 window: int | None = None) -> np.ndarray:
+        """``y`` ``(B, S, E)`` float32 for ``x`` ``(B, S, E)``: see the class notes.
+
+        Raises
+        ------
+        TypeError
+            ``x`` not numbers, ``cache`` not a numkv cache, ``use_cache`` not a
+            bool, ``window`` / ``lengths`` not integers.
+        ValueError
+            Shapes that do not fit the layer or the cache, ``use_cache``
+            without a cache (or a cache without it), ``window < 1``; the cache
+            is left unchanged.
+        """
         x = as_array(x, "x")
+        if not is_attention_dtype(x.dtype) and not is_integer_dtype(x.dtype):
+            raise TypeError(f"x must hold numbers (a float or integer dtype), got dtype {x.dtype}")
         if x.ndim != 3 or x.shape[2] != self.embed_dim:
             raise ValueError(f"x must have shape (batch, seq, {self.embed_dim}), got {x.shape}")
+        use_cache = as_flag(use_cache, "use_cache")
+        if cache is not None and not isinstance(cache, _KVCache):
+            raise TypeError(f"cache must be a numkv DynamicKVCache or StaticKVCache, got "
+                            f"{type(cache).__name__}")
         if use_cache and cache is None:
             raise ValueError("use_cache=True needs a cache")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        x = x.astype(np.float32, copy=False)
+        if cache is not None and not use_cache:
+            raise ValueError("a cache was given with use_cache=False, which would ignore it: pass "
+                             "use_cache=True to use it, or no cache")
+        window = _window(window)
         batch, new, _ = x.shape
+        if use_cache:
+            self._check_cache(cache, batch)
         lengths = _lengths(lengths, batch, new)
+        x = x.astype(np.float32, copy=False)
         q = self._split(_dense(x, self.w_q), self.num_heads)
         k = self._split(_dense(x, self.w_k), self.num_kv_heads)
         v = self._split(_dense(x, self.w_v), self.num_kv_heads)
@@ -165,6 +263,18 @@ class CachedSelfAttention:
             extra = {} if window is None else {"left_window_size": window - 1}
             y = _attention(q, k, v, is_causal=True, **extra)
         return _dense(y.transpose(0, 2, 1, 3).reshape(batch, new, self.num_heads * self.head_dim), self.w_o)
+
+    def _check_cache(self, cache, batch):
+        """The cache's batch, heads and head size against this layer's, so a
+        mismatch names the cache rather than keys the caller never saw."""
+        if cache._k is None:  # an empty DynamicKVCache: the first append fixes them
+            return
+        b, h, _, d = cache._k.shape
+        dv = cache._v.shape[3]
+        for what, have, want in (("batch size", b, batch), ("kv heads", h, self.num_kv_heads),
+                                 ("head_dim", d, self.head_dim), ("v_head_dim", dv, self.head_dim)):
+            if have != want:
+                raise ValueError(f"cache has {what} {have}, the layer's input needs {want}")
 
     def _attend_cached(self, q, k, v, cache, lengths, window):
         extra = {}
@@ -241,23 +351,57 @@ class Decoder:
 
     Token embedding, ``num_layers`` blocks (RMSNorm, rotary GQA
     ``CachedSelfAttention``, SwiGLU MLP), a final RMSNorm and an output head
-    tied to the embedding.  ``size`` picks a preset of ``PRESETS``
-    (``"tiny"``, ``"small"``, ``"base"``); keyword overrides change any field.
+    tied to the embedding.  It exists to exercise and time the caches, not to
+    say anything sensible.
 
+    Parameters
+    ----------
+    size : {"tiny", "small", "base"}
+        A preset of ``PRESETS``.
+    seed : int, default 0
+        Seed of the weights (>= 0).
+    **overrides
+        Any field of the preset: ``embed_dim``, ``num_layers``, ``num_heads``,
+        ``num_kv_heads``, ``mlp_dim``, ``vocab_size`` (integers >= 1),
+        ``rope_base``, ``input_scale`` (positive numbers).
+
+    Notes
+    -----
     ``decoder(tokens, caches=None, *, lengths=None, window=None)`` maps int
-    tokens ``(B, S)`` to float32 logits ``(B, S, vocab_size)``; ``caches`` is one
-    cache per layer (``new_caches``), ``lengths`` the real tokens per row of a
-    right-padded batch.  ``generate`` decodes greedily.
+    tokens ``(B, S)`` to float32 logits ``(B, S, vocab_size)``; ``caches`` is
+    one cache per layer (``new_caches``), ``lengths`` the real tokens per row
+    of a right-padded batch, ``window`` a sliding window (on every path).
+    ``generate`` decodes greedily.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numkv.layers import Decoder
+    >>> decoder = Decoder("tiny", seed=0)
+    >>> prompts = [np.arange(1, 9), np.arange(20, 31)]          # two prompts, 8 and 11 tokens
+    >>> tokens, logits = decoder.generate(prompts, 4, cache="static")
+    >>> tokens.shape, logits.shape
+    ((2, 4), (2, 4, 256))
+    >>> bool((tokens == decoder.generate(prompts, 4)[0]).all())  # == recomputing without a cache
+    True
     """
 
-    def __init__(self, size="tiny", *, seed=0, **overrides):
-        if size not in PRESETS:
+    def __init__(self, size: str = "tiny", *, seed: int = 0, **overrides) -> None:
+        if not isinstance(size, str) or size not in PRESETS:
             raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
+        seed = _seed(seed)
         cfg = dict(PRESETS[size], rope_base=10000.0, input_scale=0.1)
         unknown = set(overrides) - set(cfg)
         if unknown:
             raise TypeError(f"unknown Decoder settings: {sorted(unknown)}")
-        cfg.update(overrides)
+        for name, value in overrides.items():
+            if name in ("rope_base", "input_scale"):
+                value = as_float(value, name)
+                if not 0 < value < math.inf:
+                    raise ValueError(f"{name} must be a positive finite number, got {value}")
+            else:
+                value = as_count(value, name, 1)
+            cfg[name] = value
         self.config = cfg
         rng = np.random.default_rng(seed)
         # Unit-variance embedding entries: tied to the head, they spread the
@@ -275,16 +419,46 @@ class Decoder:
     def vocab_size(self):
         return self.config["vocab_size"]
 
-    def new_caches(self, kind, batch_size, max_seq_len=None, *, dtype=np.float32, window=None):
-        """One cache per layer: ``kind`` ``"dynamic"``, ``"static"`` (linear,
-        ``max_seq_len`` positions) or ``"circular"`` (``window`` positions
-        attended in a ring of ``max_seq_len`` slots, default ``2 * window``)."""
-        if kind not in CACHE_KINDS:
+    def new_caches(self, kind: str, batch_size: int, max_seq_len: int | None = None, *,
+                   dtype: DTypeLike = np.float32, window: int | None = None) -> list:
+        """One cache per layer.
+
+        Parameters
+        ----------
+        kind : {"dynamic", "static", "circular"}
+            ``"dynamic"``: ``DynamicKVCache`` (no ``max_seq_len``);
+            ``"static"``: linear ``StaticKVCache`` of ``max_seq_len`` positions;
+            ``"circular"``: ``window`` positions attended in a ring of
+            ``max_seq_len`` slots (default ``2 * window``).
+        batch_size : int
+            Rows.
+        max_seq_len : int, optional
+            See ``kind``.
+        dtype : dtype, default float32
+            The caches' dtype.
+        window : int, optional
+            The ring's window: circular caches only (for a linear cache, pass
+            ``window`` to the decoder's call).
+
+        Returns
+        -------
+        list of DynamicKVCache or StaticKVCache
+        """
+        if not isinstance(kind, str) or kind not in CACHE_KINDS:
             raise ValueError(f"kind must be one of {CACHE_KINDS}, got {kind!r}")
+        as_count(batch_size, "batch_size", 0)
+        if kind == "dynamic" and max_seq_len is not None:
+            raise ValueError("max_seq_len applies to 'static' and 'circular' caches: a dynamic one grows")
+        if kind == "static" and max_seq_len is None:
+            raise ValueError("a 'static' cache needs max_seq_len")
+        if kind != "circular" and window is not None:
+            raise ValueError(f"window makes a 'circular' cache; a {kind!r} cache keeps every token "
+                             f"(pass window to the decoder's call to attend a sliding window)")
+        window = _window(window)
         caches = []
         for block in self.blocks:
             if kind == "dynamic":
-                caches.append(DynamicKVCache())
+                caches.append(DynamicKVCache(dtype=dtype))
             elif kind == "static":
                 caches.append(block.attn.new_cache(batch_size, max_seq_len, dtype=dtype))
             else:
@@ -295,39 +469,84 @@ class Decoder:
                                                    window=window))
         return caches
 
-    def __call__(self, tokens, caches=None, *, lengths=None, window=None):
-        tokens = np.asarray(tokens)
+    def __call__(self, tokens: np.ndarray, caches: Sequence | None = None, *,
+                 lengths: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
+        """Logits ``(B, S, vocab_size)`` float32 for int ``tokens`` ``(B, S)``
+        (see the class notes); with ``caches`` the tokens are appended to them."""
+        tokens = as_array(tokens, "tokens")
         if tokens.ndim != 2 or not is_integer_dtype(tokens.dtype):
             raise ValueError(f"tokens must be a 2-D integer array (batch, seq), got {tokens.dtype} {tokens.shape}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"tokens must lie in [0, {self.vocab_size})")
-        if caches is not None and len(caches) != len(self.blocks):
-            raise ValueError(f"need one cache per layer ({len(self.blocks)}), got {len(caches)}")
+        if caches is not None:
+            if isinstance(caches, _KVCache) or not hasattr(caches, "__len__"):
+                raise TypeError(f"caches must be a sequence of one cache per layer (new_caches), got "
+                                f"{type(caches).__name__}")
+            if len(caches) != len(self.blocks):
+                raise ValueError(f"need one cache per layer ({len(self.blocks)}), got {len(caches)}")
+            for i, cache in enumerate(caches):
+                if not isinstance(cache, _KVCache):
+                    raise TypeError(f"caches[{i}] must be a numkv DynamicKVCache or StaticKVCache, "
+                                    f"got {type(cache).__name__}")
+        window = _window(window)
+        if lengths is not None:
+            lengths = _lengths(lengths, tokens.shape[0], tokens.shape[1])
         x = self.embedding[tokens] * self.input_scale
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i], lengths, window)
         return _dense(self.norm(x), self.embedding.T)
 
-    def generate(self, prompts, new_tokens, *, cache=None, dtype=np.float32, window=None,
-                 slots=None, prefill_chunk=None, progress=None):
+    def generate(self, prompts: Sequence, new_tokens: int, *, cache: str | None = None,
+                 dtype: DTypeLike = np.float32, window: int | None = None, slots: int | None = None,
+                 prefill_chunk: int | None = None,
+                 progress: Callable[[int, int], object] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Greedy decoding of ``new_tokens`` tokens after each prompt.
 
-        ``prompts``: a sequence of 1-D int arrays of different (non-zero)
-        lengths.  ``cache`` names the kind of caches to use, not a cache
-        object: None recomputes the whole prefix every step (with ``window``:
-        sliding-window attention); ``"dynamic"``, ``"static"`` or
-        ``"circular"`` make one cache of that kind per layer
-        (``new_caches``), prefill the right-padded prompts into them (in
-        chunks of ``prefill_chunk`` tokens if given), in ``dtype``, and then
-        decode one token per row per step, each row at its own position.
-        (To decode with caches of your own, call ``decoder(tokens, caches)``
-        step by step.)
-        ``slots``: the circular cache's capacity (default ``window`` + the
-        longest prompt - 1, so prefill needs one chunk).  ``progress(done, total)``
-        is called after each token.
+        Every option is honoured on every path it applies to (uncached,
+        cached, chunked prefill) and refused (``ValueError``) where it does
+        not apply, never ignored.
 
-        Returns ``(tokens, logits)``: int64 ``(B, new_tokens)`` and the float32
-        ``(B, new_tokens, vocab_size)`` logits each token was picked from.
+        Parameters
+        ----------
+        prompts : sequence of 1-D int arrays
+            At least one prompt, each of at least one token in
+            ``[0, vocab_size)``; lengths may differ (ragged batch).
+        new_tokens : int
+            Tokens to generate per prompt (>= 0).
+        cache : {None, "dynamic", "static", "circular"}
+            The *kind* of caches to use, not a cache object.  None recomputes
+            the whole prefix every step; a kind makes one cache of it per
+            layer (``new_caches``), prefills the right-padded prompts into
+            them and then decodes one token per row per step, each row at its
+            own position.  (To decode with caches of your own, call
+            ``decoder(tokens, caches)`` step by step.)
+        dtype : dtype, default float32
+            The caches' dtype (only with a cache).
+        window : int, optional
+            Sliding-window attention over the last ``window`` positions, on
+            every path (required for ``"circular"``, whose ring it sizes).
+        slots : int, optional
+            The circular cache's capacity (>= ``window``; default ``window`` +
+            the longest prompt - 1, so prefill needs one chunk).  Circular only.
+        prefill_chunk : int, optional
+            Prefill in chunks of this many tokens (>= 1; only with a cache).
+        progress : callable, optional
+            ``progress(done, total)``, called after each token.
+
+        Returns
+        -------
+        tokens : ndarray, int64, shape ``(B, new_tokens)``
+        logits : ndarray, float32, shape ``(B, new_tokens, vocab_size)``
+            The logits each token was picked from.
+
+        Raises
+        ------
+        TypeError
+            An argument of the wrong type (``cache`` a cache object, a float
+            count, non-integer prompts, ``progress`` not callable).
+        ValueError
+            An unknown kind, a value out of range, an option where it does
+            not apply.
         """
         if cache is not None and not isinstance(cache, str):
             raise TypeError(
@@ -336,10 +555,28 @@ class Decoder:
                 f"your own, make one per layer (decoder.new_caches) and call decoder(tokens, caches)")
         if cache is not None and cache not in CACHE_KINDS:
             raise ValueError(f"cache must be None or one of {', '.join(map(repr, CACHE_KINDS))}, got {cache!r}")
-        prompts = [np.asarray(p, dtype=np.int64).ravel() for p in prompts]
+        new_tokens = as_count(new_tokens, "new_tokens", 0)
+        window = _window(window)
+        # Every option is honoured on every path it applies to, or refused:
+        # a cache's options need a cache, the ring's size a ring.
+        if cache is None:
+            if np.dtype(dtype) != np.float32:
+                raise ValueError(f"dtype is the caches' dtype: it needs cache=..., got dtype {np.dtype(dtype)} "
+                                 f"with cache=None (which computes in float32)")
+            if prefill_chunk is not None:
+                raise ValueError("prefill_chunk splits the caches' prefill: it needs cache=...")
+        if slots is not None:
+            if cache != "circular":
+                raise ValueError(f"slots is the capacity of a 'circular' cache; got cache={cache!r}")
+            slots = as_count(slots, "slots", 1)
+            if window is not None and slots < window:
+                raise ValueError(f"slots {slots} < window {window}: the ring must hold the window")
+        if prefill_chunk is not None:
+            prefill_chunk = as_count(prefill_chunk, "prefill_chunk", 1)
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be callable (done, total) or None, got {type(progress).__name__}")
+        prompts = self._prompts(prompts)
         lens = np.array([p.size for p in prompts], np.int64)
-        if not len(prompts) or lens.min() < 1:
-            raise ValueError("generate needs at least one prompt, each of at least one token")
         batch, rows = len(prompts), np.arange(len(prompts))
         out_tokens = np.zeros((batch, new_tokens), np.int64)
         out_logits = np.zeros((batch, new_tokens, self.vocab_size), np.float32)
@@ -353,14 +590,19 @@ class Decoder:
                 self._pick(logits, t, out_tokens, out_logits, padded, ends, progress)
             return out_tokens, out_logits
         longest = int(lens.max())
-        if cache == "circular" and slots is None:
-            slots = window + longest - 1 if window is not None else None
-        caches = self.new_caches(cache, batch, slots if cache == "circular" else longest + new_tokens,
-                                 dtype=dtype, window=window)
+        if cache == "circular":
+            if slots is None:
+                slots = window + longest - 1 if window is not None else None
+            caches = self.new_caches(cache, batch, slots, dtype=dtype, window=window)
+        else:  # a linear cache keeps every token; the window applies to what is attended
+            caches = self.new_caches(cache, batch, None if cache == "dynamic" else longest + new_tokens,
+                                     dtype=dtype)
+        if new_tokens == 0:
+            return out_tokens, out_logits
         chunk = prefill_chunk or longest
         for c0 in range(0, longest, chunk):
             c1 = min(c0 + chunk, longest)
-            logits = self(padded[:, c0:c1], caches, lengths=np.clip(lens - c0, 0, c1 - c0))
+            logits = self(padded[:, c0:c1], caches, lengths=np.clip(lens - c0, 0, c1 - c0), window=window)
             last = (lens - 1 >= c0) & (lens - 1 < c1)
             if c0 == 0:
                 final = logits[rows, np.clip(lens - 1 - c0, 0, c1 - c0 - 1)]
@@ -369,8 +611,26 @@ class Decoder:
             ends = lens + t
             self._pick(final, t, out_tokens, out_logits, padded, ends, progress)
             if t + 1 < new_tokens:
-                final = self(out_tokens[:, t:t + 1], caches)[:, 0]
+                final = self(out_tokens[:, t:t + 1], caches, window=window)[:, 0]
         return out_tokens, out_logits
+
+    def _prompts(self, prompts):
+        """``prompts`` as a list of 1-D int64 arrays of tokens in the vocabulary."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise TypeError(f"prompts must be a sequence of 1-D integer arrays, got {type(prompts).__name__}")
+        checked = []
+        for i, p in enumerate(prompts):
+            p = as_array(p, f"prompts[{i}]")
+            if p.ndim != 1:
+                raise ValueError(f"prompts[{i}] must be 1-D, got shape {p.shape}")
+            if p.size and not is_integer_dtype(p.dtype):
+                raise TypeError(f"prompts[{i}] must hold integer tokens, got dtype {p.dtype}")
+            if p.size and (p.min() < 0 or p.max() >= self.vocab_size):
+                raise ValueError(f"prompts[{i}] has tokens outside [0, {self.vocab_size})")
+            checked.append(p.astype(np.int64))
+        if not checked or min(p.size for p in checked) < 1:
+            raise ValueError("generate needs at least one prompt, each of at least one token")
+        return checked
 
     def _pick(self, logits, t, out_tokens, out_logits, padded, ends, progress):
         out_logits[:, t] = logits

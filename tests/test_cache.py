@@ -21,6 +21,7 @@ import pytest
 
 import oracle
 from conftest import random_bits, same_bits
+import numkv
 from numkv.cache import DynamicKVCache, StaticKVCache
 
 B, H, D, DV = 3, 2, 4, 5
@@ -302,15 +303,25 @@ def test_linear_ragged_attention_inputs(rng):
 
 
 def test_circular_long_append_then_attend(rng):
-    """append() takes up to max_seq_len positions (it is a ring), but attending
-    a chunk longer than max_chunk would be wrong, so attention_inputs refuses."""
+    """append() takes up to max_seq_len positions (it is a ring); a chunk longer
+    than max_chunk that does not wrap overwrote nothing, so attention_inputs
+    serves it (as a linear cache would), and one that wraps is refused before
+    anything is written (issue 27: it used to be written, then refused)."""
     cache = StaticKVCache(1, 1, 8, 2, mode="circular", window=6)
+    linear = StaticKVCache(1, 1, 8, 2)
     k = rng.standard_normal((1, 1, 5, 2)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 5, 2)).astype(np.float32)
     cache.append(k, k)
-    with pytest.raises(ValueError, match="more than max_chunk = 3"):
-        cache.attention_inputs()
+    linear.append(k, k)
+    y = numkv.attention(q, **cache.attention_inputs())
+    np.testing.assert_allclose(y, numkv.attention(q, **linear.attention_inputs(), left_window_size=5),
+                               rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="max_seq_len 8"):
         cache.append(*(rng.standard_normal((1, 1, 9, 2)).astype(np.float32),) * 2)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="wraps the circular cache"):
+        cache.append(*(rng.standard_normal((1, 1, 4, 2)).astype(np.float32),) * 2)
+    assert_unchanged(cache, snap)
     cache.append(k[:, :, :1], k[:, :, :1])
     assert cache.attention_inputs()["attn_mask"].shape == (1, 1, 1, 6)
 

@@ -6,6 +6,12 @@ four query rows by a byte table, where the CPU has AVX-512 VBMI); the
 decode tables built from
 ml_dtypes itself (``_dtypes.decode_table``) are the exact reference.  Every
 pattern must give the same float32 bits (any NaN for a NaN).
+
+Which code the IR generators emit depends on the CPU (``numkv._kernels.cpu``);
+the tests force each choice (``cpu.forcing``) around a fresh dispatcher, so
+that both paths compile on any CPU and run where the CPU can run them: the
+paths without F16C or VBMI run everywhere, VBMI's only where the CPU has it
+(elsewhere its code is only compiled, for a CPU that has it, and read).
 """
 
 import ml_dtypes
@@ -16,23 +22,36 @@ import numkv
 from numkv import _attention
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
-from numkv._kernels.narrow import has_vbmi
+from numkv._kernels import cpu, decode_loops, widen
 
 NARROW = ["float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
           "float8_e8m0fnu"]
 
 
-def widened(dtype, patterns, stride=1):
-    """``patterns`` (unsigned bits of ``dtype``) through ``_widen_rows``, as a
-    (1, n) row read with element ``stride``."""
+# CPU feature choices the tests force: name -> ``cpu.forcing`` arguments.
+FORCED = {"no-f16c": {"f16c": False}, "no-vbmi": {"vbmi": False}, "vbmi": {"vbmi": True}}
+
+
+def runnable(forced):
+    """Skip a forced choice the CPU cannot run (a feature it lacks, forced on)."""
+    for feature, on in forced.items():
+        if on and not {"f16c": cpu.has_f16c, "vbmi": cpu.has_vbmi}[feature]():
+            pytest.skip(f"this CPU lacks {feature}: its code cannot run here (test_forced_features_compile_anywhere "
+                        "compiles it for a CPU that has it)")
+
+
+def widened(dtype, patterns, stride=1, kernel=None):
+    """``patterns`` (unsigned bits of ``dtype``) through ``_widen_rows`` (or
+    ``kernel``, a dispatcher of the same function), as a (1, n) row read
+    with element ``stride``."""
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     n = patterns.size
     spread = np.zeros(n * stride, patterns.dtype)
     spread[::stride] = patterns
     out = np.full((1, n), -1.0, np.float32)
-    kernels._widen_rows(out, np.int64(0), np.int64(1), np.int64(n), spread.view(np.uint8), codes[dtype],
-                        np.int64(0), np.int64(n * stride), np.int64(stride), e8m0_table(),
-                        kernels.FORMAT_TABLE)
+    (kernel or widen._widen_rows)(out, np.int64(0), np.int64(1), np.int64(n), spread.view(np.uint8),
+                                  codes[dtype], np.int64(0), np.int64(n * stride), np.int64(stride), e8m0_table(),
+                                  kernels.FORMAT_TABLE)
     return out[0]
 
 
@@ -51,11 +70,27 @@ def test_every_bit_pattern_widens_exactly(name, stride):
     assert_same_floats(widened(dtype, patterns, stride), decode_table(dtype))
 
 
-@pytest.mark.parametrize("name", ["float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                                  "float8_e5m2fnuz"])
+@pytest.mark.parametrize("name", ["float16", "float8_e4m3fn", "float8_e5m2"])
+def test_every_bit_pattern_widens_exactly_without_f16c(name):
+    """The tiles' loops as compiled for a CPU without F16C (float16-based
+    formats then widen by bit arithmetic, ``widen._emit_decode``): a fresh
+    dispatcher, compiled with F16C forced off, runs on any CPU."""
+    from numba import njit
+
+    dtype = np.dtype(getattr(ml_dtypes, name, name))
+    patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
+    kernel = njit(widen._widen_rows.py_func)
+    with cpu.forcing(f16c=False):
+        got = widened(dtype, patterns, 1, kernel)
+    assert_same_floats(got, decode_table(dtype))
+    llvm = kernel.inspect_llvm(kernel.signatures[0])
+    assert "fpext" not in llvm and " half" not in llvm, "F16C's conversion compiled in where it was forced off"
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz"])
 def test_the_arithmetic_decode_matches_the_tables(name):
-    """``_decode_bits`` with each format's parameters, as used where F16C
-    is missing (float16, e5m2, e4m3fn) and always (the fnuz types)."""
+    """``_decode_bits`` with each row of ``FORMAT_TABLE``: the fnuz float8s'
+    loop (the other formats have loops of their own, and no row)."""
     from numba import njit
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))
@@ -64,9 +99,9 @@ def test_the_arithmetic_decode_matches_the_tables(name):
 
     @njit
     def decode_all(patterns, formats, out):
-        shift, scale, infnan, nan_em, nan_x = kernels._format(formats, code)
+        shift, scale, infnan, nan_em, nan_x = widen._format(formats, code)
         for i in range(patterns.size):
-            out[i] = kernels._decode_bits(patterns[i], sign, shift, scale, infnan, nan_em, nan_x)
+            out[i] = widen._decode_bits(patterns[i], sign, shift, scale, infnan, nan_em, nan_x)
 
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint32)
     out = np.empty(patterns.size, np.float32)
@@ -76,7 +111,8 @@ def test_the_arithmetic_decode_matches_the_tables(name):
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("length", [64, 16, 3], ids=["blocks", "vectors", "tail"])
-def test_decode_loops_widen_every_pattern_exactly(name, length):
+@pytest.mark.parametrize("forced", FORCED, ids=list(FORCED))
+def test_decode_loops_widen_every_pattern_exactly(name, length, forced):
     """Decode reads these caches in place, widening each element as it is
     used: ``_axpy`` (the value update) and ``_dots`` (the scores), both in
     vector lanes over whole vectors (float8_e4m3fn in blocks of 64 before,
@@ -86,8 +122,12 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     keys: the pattern's row, then three rows of zeros); for the scores key
     ``j`` holds pattern ``j`` first and zeros after, and every query row is
     ``(1, 0, ...)``: either way each result is the pattern's value (plus
-    zeros: -0.0 becomes 0.0)."""
+    zeros: -0.0 becomes 0.0).  Compiled with each CPU choice forced
+    (``FORCED``): without F16C the float16-based formats go element by
+    element; with VBMI float8_e4m3fn takes blocks of 64 by a byte table."""
     from numba import njit
+
+    runnable(FORCED[forced])
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))
     code = kernel_dtype_codes(kernels.DTYPE_CODES)[dtype]
@@ -100,16 +140,16 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
         zero = np.uint64(0)
         for j in range(0, whole, q.size):  # four rows of V from element 4 j: the patterns, then zeros
             at, stride = np.uint64(j), np.uint64(whole)
-            kernels._axpy(values[0], (at,), ones, (zero,), v_rows, 4 * at, width, zero, 4, q.size, code)
-            kernels._axpy(values[1], (at, at + stride, at + stride + stride, at + stride + stride + stride), ones,
+            decode_loops._axpy(values[0], (at,), ones, (zero,), v_rows, 4 * at, width, zero, 4, q.size, code)
+            decode_loops._axpy(values[1], (at, at + stride, at + stride + stride, at + stride + stride + stride), ones,
                           (zero, zero, zero, zero), v_rows, 4 * at, width, zero, 4, q.size, code)
         n = np.uint64(scores.shape[1] // 4)  # scores[1]: four rows of n
         for j in range(0, scores.shape[1] // 4, 4):
             k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
                     np.uint64(j + 3) * width)
             at = np.uint64(j)
-            kernels._dots(scores[0], (at,), 4, q, (np.uint64(0),), keys, k_at, q.size, code)
-            kernels._dots(scores[1], (at, at + n, at + n + n, at + n + n + n), 4, q, q_rows, keys, k_at, q.size,
+            decode_loops._dots(scores[0], (at,), 4, q, (np.uint64(0),), keys, k_at, q.size, code)
+            decode_loops._dots(scores[1], (at, at + n, at + n + n, at + n + n + n), 4, q, q_rows, keys, k_at, q.size,
                           code)
 
     keys = np.zeros((patterns.size, length), patterns.dtype)
@@ -121,10 +161,17 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     scores = np.full((2, 4 * patterns.size), -1.0, np.float32)  # one row; four rows
     v_rows = np.zeros((whole // length, 4, length), patterns.dtype)  # each row of patterns, three of zeros
     v_rows[:, 0] = patterns[:whole].reshape(-1, length)
-    widen_all(v_rows.reshape(-1).view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
-              np.ones(4, np.float32), (np.uint64(0),) * 4)
-    if name == "float8_e4m3fn" and length == 64 and has_vbmi():  # the blocks' byte table is in the loops
-        assert "vpermi2var" in widen_all.inspect_llvm(widen_all.signatures[0])
+    with cpu.forcing(**FORCED[forced]):  # compiles widen_all, a fresh dispatcher
+        widen_all(v_rows.reshape(-1).view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
+                  np.ones(4, np.float32), (np.uint64(0),) * 4)
+    llvm = widen_all.inspect_llvm(widen_all.signatures[0])
+    # the choice forced is the code compiled (every loop holds every format's
+    # path, chosen at run time): the blocks' byte table, F16C's conversion
+    assert ("vpermi2var" in llvm) == (forced == "vbmi")
+    if forced == "no-f16c":
+        assert "fpext" not in llvm
+    elif name != "bfloat16" and cpu.has_f16c():
+        assert "fpext <16 x half>" in llvm
     with np.errstate(invalid="ignore"):  # signalling NaNs
         want = decode_table(dtype) + np.float32(0.0)
     assert_same_floats(values[0, :whole], want[:whole])
@@ -133,6 +180,41 @@ def test_decode_loops_widen_every_pattern_exactly(name, length):
     assert_same_floats(scores[0, :patterns.size], want)
     for r in range(4):
         assert_same_floats(scores[1, r * patterns.size:(r + 1) * patterns.size], want)
+
+
+def test_forced_features_compile_anywhere():
+    """The IR of the paths a CPU may lack -- float8_e4m3fn's blocks by
+    ``vpermi2b`` (AVX-512 VBMI), float16 vectors by ``vcvtph2ps`` (F16C) --
+    compiled, on any x86-64 host, for a CPU that has them: the code the
+    generators emit selects those instructions.  (Running it needs the CPU:
+    test_decode_loops_widen_every_pattern_exactly[vbmi-...] does where it can.)"""
+    import platform
+
+    import llvmlite.binding as llvm
+    import numba  # noqa: F401  (initialises llvmlite's targets)
+    from llvmlite import ir
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 instructions")
+    module = ir.Module("forced")
+    module.triple = llvm.get_process_triple()
+    i8, i16, f32 = ir.IntType(8), ir.IntType(16), ir.FloatType()
+    for name, arg, widen_ir in (
+            ("e4m3fn_block", ir.VectorType(i8, 64), widen._widen_e4m3fn_block),
+            ("f16_vector", ir.VectorType(i16, 16), lambda b, x: [widen._widen_ir(b, x, "f16", True)])):
+        out = ir.VectorType(f32, 16)
+        fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [arg.as_pointer(), out.as_pointer()]), name)
+        builder = ir.IRBuilder(fn.append_basic_block())
+        for t, value in enumerate(widen_ir(builder, builder.load(fn.args[0]))):
+            builder.store(value, builder.gep(fn.args[1], [ir.Constant(ir.IntType(64), t)]))
+        builder.ret_void()
+    parsed = llvm.parse_assembly(str(module))
+    parsed.verify()
+    machine = llvm.Target.from_triple(module.triple).create_target_machine(
+        cpu="x86-64", features="+avx512f,+avx512bw,+avx512vbmi,+f16c", opt=2)
+    asm = machine.emit_assembly(parsed)
+    assert "vpermi2b" in asm or "vpermt2b" in asm
+    assert "vcvtph2ps" in asm
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -171,7 +253,7 @@ def test_a_narrow_cache_read_in_place_equals_its_tiles(name, rng):
 # -- and back: a float16 Y -----------------------------------------------------------
 
 
-def test_float16_y_narrowing_equals_numpys_cast():
+def test_float16_y_narrowing_equals_numpys_cast(monkeypatch):
     # Every float16 result: all float32 patterns whose top 19 bits vary, with
     # low bits at the rounding boundaries (ties, just below, just above), and
     # the quiet NaNs (a signalling NaN never comes out of the kernel).
@@ -180,7 +262,10 @@ def test_float16_y_narrowing_equals_numpys_cast():
     x = x[~np.isnan(x) | ((x.view(np.uint32) & 0x00400000) != 0)]
     with np.errstate(over="ignore"):
         want = x.astype(np.float16)
+    ran = spy_on_kernels(monkeypatch)
     got = _attention._to_float16(x)
+    # where the CPU lacks F16C the wrapper casts with NumPy, and this test compares NumPy with itself
+    assert ran == (["to_float16"] if cpu.has_f16c() else [])
     assert got.dtype == np.float16 and got.shape == x.shape
     bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
     assert bad.size == 0, f"{bad.size} differ, e.g. float32 bits {x[bad[:4]].view(np.uint32)}"
@@ -192,6 +277,17 @@ def test_float16_prefill_takes_the_narrowing_kernel(monkeypatch):
     k = rng.standard_normal((1, 2, 160, 128)).astype(np.float16)
     v = rng.standard_normal((1, 2, 160, 128)).astype(np.float16)
     assert q.size >= _attention.NARROW_MIN
+    ran = spy_on_kernels(monkeypatch)
     narrowed = numkv.attention(q, k, v, is_causal=True)
+    assert ran.count("to_float16") == (1 if cpu.has_f16c() else 0), ran
+    ran.clear()
     monkeypatch.setattr(_attention, "NARROW_MIN", q.size + 1)
     assert np.array_equal(numkv.attention(q, k, v, is_causal=True).view(np.uint16), narrowed.view(np.uint16))
+    assert "to_float16" not in ran, ran
+
+
+def spy_on_kernels(monkeypatch):
+    """The names of the kernels the wrapper runs on its pool, as they run."""
+    ran, run = [], _attention.pool.run
+    monkeypatch.setattr(_attention.pool, "run", lambda kernel, *a: ran.append(kernel.__name__) or run(kernel, *a))
+    return ran

@@ -42,6 +42,12 @@ def main(argv=None):
     from numkv._cli import info
 
     args = build_parser().parse_args(argv)
+    # Options that are each valid but not together: a usage error too, before any work.
+    check = getattr(args, "check", None)
+    if check is not None:
+        problem = check(args)
+        if problem:
+            args.parser.error(problem)
     getattr(args, "run", info.run)(args)
     return 0
 

@@ -5,6 +5,7 @@ the machine's limits in ``bench_limits``; ``--plot`` hands over to ``plot``.
 """
 
 from numkv._cli import bench_cases, timing
+from numkv._cli.options import MAX_WORKERS, count, image_path, regex
 
 
 def add_parser(subparsers):
@@ -16,23 +17,28 @@ def add_parser(subparsers):
     )
     parser.add_argument("--quick", action="store_true",
                         help="fewer samples per case (at least 3): rough figures, a shorter run")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
+    parser.add_argument("--threads", type=count(1, MAX_WORKERS), default=None, metavar="N",
                         help="threads for numkv, BLAS, onnxruntime and torch (default: their own, "
                              "usually one per core)")
-    parser.add_argument("--only", default=None, metavar="REGEX",
+    parser.add_argument("--only", type=regex, default=None, metavar="REGEX",
                         help="run only the cases whose id or title matches REGEX (see --list)")
     parser.add_argument("--list", action="store_true", help="list the cases (id and title) and exit")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=image_path, default=None, metavar="FILE.png",
                         help="instead of the cases, time decode and prefill over a range of lengths and "
                              "draw them, numkv beside every installed peer (needs matplotlib: numkv[plot])")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, check=check, parser=parser)
     return parser
+
+
+def check(args):
+    """What is wrong with the options together (None: nothing)."""
+    if args.plot and (args.only is not None or args.list):
+        return "--plot runs its own sweep: --only and --list don't apply to it"
+    return None
 
 
 def run(args):
     if args.plot:
-        if args.only or args.list:
-            raise SystemExit("--plot runs its own sweep: --only and --list don't apply to it")
         from numkv._cli import plot
 
         return plot.run(args)

@@ -33,18 +33,23 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "demo", help="greedy decoding with and without KV caches: agreement and tokens/s",
         description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=4, help="prompts in the batch (default 4)")
-    p.add_argument("--prompt-len", type=int, default=64,
+    from numkv._cli.options import MAX_WORKERS, count
+
+    p.add_argument("--batch", type=count(1), default=4, metavar="N", help="prompts in the batch (default 4)")
+    p.add_argument("--prompt-len", type=count(1), default=64, metavar="N",
                    help="longest prompt; the others are shorter, down to half (default 64)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
+    p.add_argument("--new-tokens", type=count(1), default=32, metavar="N",
+                   help="tokens generated per prompt (default 32)")
     p.add_argument("--size", default="small", choices=("tiny", "small", "base"),
                    help="decoder preset (default small)")
-    p.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
+    p.add_argument("--threads", type=count(1, MAX_WORKERS), default=None, metavar="N",
+                   help="numkv's threads (default: numkv's, one per core)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=KV_DTYPES,
                    help="dtype of the low-precision cache (d) (default bfloat16)")
-    p.add_argument("--window", type=int, default=None,
+    p.add_argument("--window", type=count(1), default=None, metavar="N",
                    help="sliding window of the circular cache (e) (default prompt-len // 2)")
-    p.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    p.add_argument("--seed", type=count(0), default=0, metavar="N",
+                   help="weights and prompts seed, >= 0 (default 0)")
     p.set_defaults(run=run)
     return p
 
@@ -138,7 +143,7 @@ def run(args):
         numkv.set_num_threads(args.threads)
     if min(args.batch, args.prompt_len, args.new_tokens) < 1:
         raise SystemExit("demo: --batch, --prompt-len and --new-tokens must be >= 1")
-    window = args.window or max(1, args.prompt_len // 2)
+    window = max(1, args.prompt_len // 2) if args.window is None else args.window
     kv_dtype = _dtype(args.kv_dtype)
     decoder = Decoder(args.size, seed=args.seed)
     rng = np.random.default_rng(args.seed)

@@ -134,7 +134,9 @@ def add_parser(subparsers):
         description=__doc__.split("\n\n")[0].replace("``", "`")
         + f" Groups: {names}.  The cache is NUMBA_CACHE_DIR if set (and writable), else "
           "__pycache__ beside numkv's kernels, else numba's per-user directory.")
-    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+    from numkv._cli.options import MAX_WORKERS, count
+
+    p.add_argument("--jobs", "-j", type=count(1, MAX_WORKERS), default=None, metavar="N",
                    help="processes compiling at once (default: one per CPU, at most one per group; "
                         "1 compiles in this process)")
     p.add_argument("--group", action="append", choices=list(GROUPS), metavar="NAME",
@@ -205,7 +207,8 @@ def run(args):
     print(f"  cache: {path or '-'}  ({note})")
     if path is None:
         raise SystemExit("warmup: no disk cache to fill (see above)")
-    jobs = args.jobs or min(thread_count.cores(), len(names))
+    # More processes than groups would only start idle interpreters.
+    jobs = min(args.jobs or thread_count.cores(), len(names))
     if jobs > 1 and not _can_serialise():
         print("  (numba's cache writes can't be serialised here: one group at a time)")
         jobs = 1

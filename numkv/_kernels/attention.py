@@ -1,8 +1,21 @@
-"""Blocked attention with an online softmax (ONNX Attention, opsets 23-25).
+"""Blocked attention with an online softmax (ONNX Attention, opsets 23-25):
+the algorithm, top-down -- work items (``attention_items``), scores
+(``_scores``), the softmax of a tile (``_softmax_tile``), the value update
+(``_accumulate``), the output rows (``_write_rows``), the merge of a split
+key range (``attention_merge``).
 
 Named dims: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G =
 Hq // Hkv`` query heads per kv head, ``Sq`` queries, ``P`` past keys, ``T = P +
 Skv`` keys in all, ``D`` Q/K head size, ``Dv`` V head size.
+
+The modules beside this one, each imported only by those above it::
+
+    layout        the contract with the wrapper: ints/desc/floats slots, dtype codes
+    cpu           what the CPU numba compiles for can do (F16C, AVX-512 VBMI)
+    simd          the LLVM IR toolkit: views, prefetches, loops, lane reductions
+    gemm          BLAS' sgemm/dgemm from jitted code (prefill's products)
+    widen         bits -> float per K/V format; tiles; the formats read in place
+    decode_loops  decode's fused loops: four keys' dot products, value runs
 
 Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
@@ -11,27 +24,27 @@ transposes and cache slices are read in place and one compiled kernel serves
 every input dtype (one per accumulation dtype).  Elements are widened into
 tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
-(``_widen_rows``); K/V rows already in the accumulation dtype, unit stride,
-are read in place, and so are bfloat16, float16, float8_e4m3fn and
-float8_e5m2 rows in decode (``_kv_tile``), widened element by element as the
-loops use them (``_dots``, ``_axpy``: a half or a quarter of the bytes read,
-no tile copy; the loop for each dtype is chosen at run time,
-``_per_format``; float8_e4m3fn, in passes of four query rows, 64
-elements at a time by a byte table where the CPU has AVX-512 VBMI,
-``_widen_e4m3fn_block``).  Keys ``j < P`` come from the past buffers, the
-rest from the new K/V (no concatenation).  ``mask`` (additive) and ``y`` are flat
-accumulation-dtype buffers with rows of ``desc`` too.
+(``widen._widen_rows``); K/V rows already in the accumulation dtype, unit
+stride, are read in place, and so are the rows of ``widen.FORMATS``
+(bfloat16, float16, float8_e4m3fn, float8_e5m2) in decode
+(``widen._kv_tile``), widened as the loops load them (``decode_loops``: a
+half or a quarter of the bytes read, no tile copy; the loop for each dtype
+is chosen at run time; float8_e4m3fn, in passes of four query rows, 64
+elements at a time by a byte table where the CPU has AVX-512 VBMI).  Keys
+``j < P`` come from the past buffers, the rest from the new K/V (no
+concatenation).  ``mask`` (additive) and ``y`` are flat accumulation-dtype
+buffers with rows of ``desc`` too.
 
 Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
 item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
 against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
-(prefill) take BLAS ``gemm`` (``_gemm``): whole where BLAS runs on one
+(prefill) take BLAS ``gemm`` (``gemm._gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
 single-thread size); few rows (decode) take loops that score four rows
-against four keys per pass (``_scores``, ``_dots``) and add a run of keys'
-values to four rows at a time, their accumulators held in registers over
-the run (``_accumulate``, ``_axpy``).
+against four keys per pass (``_scores``, ``decode_loops._dots``) and add a
+run of keys' values to four rows at a time, their accumulators held in
+registers over the run (``_accumulate``, ``decode_loops._axpy``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -58,8 +71,12 @@ every pair costs the same.  Few query tiles
 shapes only; ``attention_merge`` then combines the partial softmaxes in chunk
 order, so results do not depend on the thread count.
 
-Helpers live in this file, not beside it: numba's disk cache notices edits to
-a kernel's own file only.
+numba's disk cache notices edits to a kernel's own file only, and the
+kernels here compile the helpers of the modules above into themselves:
+``HELPERS_SHA256`` is the digest of those modules' sources, and a test
+(``tests/test_kernel_layout.py``) fails, printing the new value, when a
+helper changes and the digest here does not -- updating it changes this
+file, so numba recompiles.
 
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
@@ -67,1237 +84,35 @@ bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
 n_chunks`` entries when split.
 """
 
-import functools
 import math
 
 import numpy as np
-from llvmlite import ir
 from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
-from numpy.lib.stride_tricks import as_strided
+from numba.extending import overload
 
 from .._config import jit
-from .narrow import has_f16c, has_vbmi  # tests of the CPU numba compiles for, run while compiling
+from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
+from .gemm import _gemm_accumulate, _gemm_scores
 
-# -- the layout: ints[] slots, desc[] rows and columns, dtype codes ------------
-# The wrapper fills these by name (``_attention.run``); they are defined once, here.
-INT_FIELDS = (
-    "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
-    "causal", "left", "right", "has_mask",
-    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows", "gemm_limit",
-    "gemm_fn",
+# The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
+from .layout import (  # noqa: F401
+    BASE, BATCH, BF16, BLAS_ROWS, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2,
+    E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK,
+    HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES, N_UNITS, NAN_BITS, NAN_EM, NONE,
+    PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORE_SCALE, SHIFT, SOFTCAP, STRIDE_B, STRIDE_D,
+    STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
+    V_HEAD_SIZE,
 )
-(BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
- CAUSAL, LEFT, RIGHT, HAS_MASK,
- BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT,
- GEMM_FN) = range(len(INT_FIELDS))
-
-TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
-T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
-TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
-BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
-
-# How many keys ahead the loops prefetch key and value rows (~8 KiB of float32
-# rows at D = 128: far enough to hide the memory latency; see ``_prefetch``).
-# A constant: numba freezes it into the compiled kernel.
-PREFETCH_KEYS = 16
-
-FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
-Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
-
-DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
-               "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
-(F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
-# The narrow K/V dtypes float32 decode's loops read in place, widening each
-# element as they use it (``_kv_tile``, ``_per_format``): code -> (format of
-# ``_widen_ir``, bits an element).
-IN_PLACE = {BF16: ("bf16", 16), F16: ("f16", 16), E4M3FN: ("e4m3fn", 8), E5M2: ("e5m2", 8)}
-IN_PLACE_CODES = tuple(IN_PLACE)
-
-# -- widening: bits -> float ----------------------------------------------------
-
-
-@intrinsic
-def _float32_from_bits(typingctx, bits):
-    """The float32 whose bits are the low 32 bits of the integer ``bits`` (a
-    bit cast, no conversion; numba widens integer arithmetic to 64 bits)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
-        return builder.bitcast(low, context.get_value_type(types.float32))
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _maximum(typingctx, a, b):
-    """``llvm.maximum``: the larger of two floats, NaN if either is NaN.  A
-    running maximum of it vectorises (a compare-and-select one stays scalar),
-    and a NaN among the values shows in the result."""
-    if not (isinstance(a, types.Float) and a == b):
-        return None
-
-    def codegen(context, builder, sig, args):
-        t = args[0].type
-        return builder.call(builder.module.declare_intrinsic("llvm.maximum", [t], ir.FunctionType(t, [t, t])),
-                            args)
-
-    return a(a, b), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, flat, index):
-    """Ask the CPU to start loading ``flat[index]``'s cache line into L2 (a
-    hint: it never faults, wherever ``index`` points).  L2, not L1
-    (``prefetcht1``, locality 2): L1 has few slots for lines in flight, L2
-    many more (2 cores, decode Skv=16384 float32: 4.3-5.6 ms against 7.8-9.3
-    ms into L1; B=8 Skv=2048 4.7-6.0 against 8.2-9.9; ``PREFETCH_KEYS``
-    8 / 16 / 24 / 32 / 64 ahead: 16 best or level)."""
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        _emit_prefetch(builder, builder.gep(ary.data, [args[1]]))
-        return context.get_dummy_value()
-
-    return types.void(flat, index), codegen
-
-
-def _emit_prefetch(builder, ptr):
-    """IR of ``_prefetch``: the cache line at ``ptr`` into L2."""
-    ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
-    i32 = ir.IntType(32)
-    fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
-                                          ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
-    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
-
-
-@jit(inline=True)
-def _prefetch_ahead(flat, start, count, size):
-    """``_prefetch`` the ``count`` elements of ``size`` bytes from element
-    ``start`` of the raw bytes ``flat``, 16 elements (a float32 cache line)
-    at a time: the key rows ``PREFETCH_KEYS`` on (a narrow cache's lines get
-    several: one a 64-byte line measured slower, float8_e4m3fn decode
-    Skv=16384 3.4-3.6 ms against 3.2)."""
-    for line in range(0, count, 16):
-        _prefetch(flat, (start + np.uint64(line)) * np.uint64(size))
-
-
-@jit(inline=True)
-def _itemsize(code):
-    """Bytes an element of dtype ``code`` holds."""
-    return 4 if code == F32 else 8 if code == F64 else 2 if code <= BF16 else 1
-
-
-# The narrow float formats as ``FORMAT_FIELDS``: a value's magnitude bits
-# ``em`` shifted to float32's exponent/mantissa position, times
-# 2**(127 - bias), is the value -- subnormals included (a float32 subnormal
-# times a power of two is exact); ``NONE`` marks a rule a format lacks.
-FORMAT_FIELDS = ("shift", "scale_exponent", "infnan_em", "nan_em", "nan_bits")
-SHIFT, SCALE_EXPONENT, INFNAN_EM, NAN_EM, NAN_BITS = range(len(FORMAT_FIELDS))
-NONE = 0xFFFFFFFF
-_FORMATS = {
-    F16: (13, 112, 0x7C00, NONE, NONE),
-    E4M3FN: (20, 120, NONE, 0x7F, NONE),
-    E4M3FNUZ: (20, 119, NONE, NONE, 0x80),
-    E5M2: (21, 112, 0x7C, NONE, NONE),
-    E5M2FNUZ: (21, 111, NONE, NONE, 0x80),
-}
-FORMAT_TABLE = np.zeros((len(DTYPE_CODES), len(FORMAT_FIELDS)), np.int64)
-for _code, _row in _FORMATS.items():
-    FORMAT_TABLE[_code] = _row
-
-
-def _emit_decode(builder, u, sign, shift, scale, infnan, nan_em, nan_x):
-    """LLVM IR of ``_decode_bits`` on 32-bit integers ``u`` (the pattern) and
-    its parameters; returns the float32 value."""
-    i32, f32 = ir.IntType(32), ir.FloatType()
-    em = builder.and_(u, builder.sub(sign, ir.Constant(i32, 1)))
-    bits = builder.shl(em, shift)
-    value = builder.bitcast(builder.fmul(builder.bitcast(bits, f32), scale), i32)
-    special = builder.icmp_unsigned(">=", em, infnan)
-    value = builder.select(special, builder.or_(bits, ir.Constant(i32, 0x7F800000)), value)
-    negative = builder.icmp_unsigned("!=", builder.and_(u, sign), ir.Constant(i32, 0))
-    value = builder.select(negative, builder.or_(value, ir.Constant(i32, 0x80000000)), value)
-    nan = builder.or_(builder.icmp_unsigned("==", em, nan_em), builder.icmp_unsigned("==", u, nan_x))
-    return builder.bitcast(builder.select(nan, ir.Constant(i32, 0x7FC00000), value), f32)
-
-
-def _as_i32(builder, value, ty):
-    i32 = ir.IntType(32)
-    if ty.bitwidth < 32:
-        return builder.zext(value, i32)
-    return builder.trunc(value, i32) if ty.bitwidth > 32 else value
-
-
-@intrinsic
-def _decode_bits(typingctx, x, sign_bit, shift, scale, infnan, nan_em, nan_x):
-    """float32 value of the narrow-float bit pattern ``x`` (see ``_FORMATS``):
-    ``x``'s magnitude bits shifted into float32's place, times ``scale``;
-    all-ones exponents (``em >= infnan``) keep their inf/NaN payload;
-    ``em == nan_em`` or ``x == nan_x`` is NaN; then the sign.
-
-    Written as LLVM IR in 32-bit lanes with selects: numba's own integer
-    arithmetic widens to 64 bits (``uint32 - uint32`` is ``int64``), and the
-    loops around it then ran at 0.7-1.2 ns an element instead of 0.25-0.4."""
-    sig = types.float32(x, sign_bit, shift, scale, infnan, nan_em, nan_x)
-
-    def codegen(context, builder, sig, args):
-        ints = [_as_i32(builder, v, t) for v, t in zip(args, sig.args) if isinstance(t, types.Integer)]
-        u, sign, shift_, infnan_, nan_em_, nan_x_ = ints
-        return _emit_decode(builder, u, sign, shift_, args[3], infnan_, nan_em_, nan_x_)
-
-    return sig, codegen
-
-
-def _narrow_intrinsic(narrow, bits, doc):
-    """An intrinsic: the float32 value of ``narrow`` float bits (``_widen_ir``)
-    held in an integer's low ``bits`` bits."""
-    def typer(typingctx, x):
-        if not isinstance(x, types.Integer):
-            return None
-
-        def codegen(context, builder, sig, args):
-            value, ty = args[0], ir.IntType(bits)
-            if x.bitwidth > bits:
-                value = builder.trunc(value, ty)
-            elif x.bitwidth < bits:
-                value = builder.zext(value, ty)
-            return _widen_ir(builder, value, narrow, has_f16c())
-        return types.float32(x), codegen
-    typer.__name__, typer.__doc__ = f"_{narrow}_to_float32", doc
-    return intrinsic(typer)
-
-
-_half_to_float32 = _narrow_intrinsic("f16", 16, "float32 value of float16 bits (F16C where the CPU has it).")
-_e5m2_to_float32 = _narrow_intrinsic("e5m2", 8, "float32 value of float8_e5m2 bits: float16's upper byte.")
-_e4m3fn_to_float32 = _narrow_intrinsic("e4m3fn", 8, "float32 value of float8_e4m3fn bits.")
-
-
-def _broadcast(builder, value, lanes):
-    """IR: a vector of ``lanes`` copies of the run-time scalar ``value``."""
-    ty = ir.VectorType(value.type, lanes)
-    one = builder.insert_element(ir.Constant(ty, None), value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
-
-
-def _splat(ty, value):
-    """A constant of ``ty`` (a scalar or vector type) with every lane ``value``."""
-    if isinstance(ty, ir.VectorType):
-        return ir.Constant(ty, [value] * ty.count)
-    return ir.Constant(ty, value)
-
-
-def _widen_ir(builder, bits, narrow, f16c):
-    """IR: the float32 values of narrow float ``bits`` (integers, a scalar
-    or a vector -- a scalar where the target lacks F16C) of format
-    ``narrow``: "bf16", "f16", "e5m2" or "e4m3fn".  Exact, inf and NaN
-    included.  In 16-bit lanes: numba's own arithmetic on small integers
-    widens them to 64 bits, and its loops then vectorise poorly."""
-    def like(elem):
-        return ir.VectorType(elem, bits.type.count) if isinstance(bits.type, ir.VectorType) else elem
-
-    f32, i16, i32 = like(ir.FloatType()), like(ir.IntType(16)), like(ir.IntType(32))
-    if narrow == "bf16":  # float32's upper half
-        return builder.bitcast(builder.shl(builder.zext(bits, i32), _splat(i32, 16)), f32)
-    if narrow == "f16":
-        if f16c:  # the CPU's conversion (vcvtph2ps), many at a time
-            return builder.fpext(builder.bitcast(bits, like(ir.HalfType())), f32)
-        c32 = lambda v: ir.Constant(ir.IntType(32), v)  # noqa: E731
-        return _emit_decode(builder, builder.zext(bits, ir.IntType(32)), c32(0x8000), c32(13),
-                            ir.Constant(ir.FloatType(), 2.0 ** 112), c32(0x7C00), c32(NONE), c32(NONE))
-    if narrow == "e5m2":  # float16's upper byte
-        return _widen_ir(builder, builder.shl(builder.zext(bits, i16), _splat(i16, 8)), "f16", f16c)
-    # float8_e4m3fn: a float16 of bias 15 (not 7), times 2**8; S.1111.111 is
-    # NaN.  Sign-extended and shifted by 7, the sign lands on bits 15 and 14:
-    # clearing 14 leaves the float16 (3 operations, against 6 by masks).
-    half = builder.and_(builder.shl(builder.sext(bits, i16), _splat(i16, 7)), _splat(i16, 0xBFFF))
-    value = builder.fmul(_widen_ir(builder, half, "f16", f16c), _splat(f32, 256.0))
-    nan = builder.icmp_unsigned("==", builder.and_(half, _splat(i16, 0x3F80)), _splat(i16, 0x3F80))
-    return builder.select(nan, _splat(f32, float("nan")), value)
-
-
-# float8_e4m3fn bytes a block of ``_widen_e4m3fn_block``: one AVX-512
-# register, four float32 vectors (fixed by the widening, not a tuning knob).
-E4M3FN_BLOCK = 64
-
-
-@functools.cache
-def _e4m3fn_bfloat16_bits():
-    """The bfloat16 bits of float8_e4m3fn's 128 magnitudes (each is a
-    bfloat16: 3 mantissa bits, exponents 2**-9 .. 2**8); 0x7F is NaN."""
-    bits = []
-    for em in range(128):
-        exponent, mantissa = em >> 3, em & 7
-        value = (math.nan if em == 0x7F else mantissa * 2.0 ** -9 if exponent == 0
-                 else (1 + mantissa / 8) * 2.0 ** (exponent - 7))
-        bits.append(int(np.float32(value).view(np.uint32)) >> 16)
-    return tuple(bits)
-
-
-def _blocks(narrow, real, rows):
-    """Whether the loops over ``narrow`` rows into ``real`` take whole
-    blocks of 64 elements (``_widen_e4m3fn_block``): in the passes of four
-    query rows only, the ones decode spends its time in (each loop of
-    blocks costs ~0.1-0.2 s of a cold call's compilation)."""
-    return narrow == "e4m3fn" and real == ir.FloatType() and rows == 4 and has_vbmi()
-
-
-def _widen_e4m3fn_block(builder, x):
-    """IR: the 64 float8_e4m3fn bytes ``x`` (``<64 x i8>``) as four ``<16 x
-    float>``, in order.  Each byte looks up its bfloat16's two bytes in two
-    128-entry tables (``vpermi2b``: a byte's low 7 bits index two
-    registers), the sign is or'ed in, and unpacking the byte pairs, then the
-    words under zeros, makes the float32s: ~11 instructions for 64
-    elements, where bit arithmetic (``_widen_ir``) takes ~9 for 16.  On a
-    streamed cache, one thread, ``_scores`` / ``_accumulate`` took 0.126 /
-    0.127 ns an element, against 0.151 / 0.139 by bit arithmetic; decode at
-    Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.60x
-    (float8_e5m2: 0.52-0.59x; whole bench runs: 0.53x and 0.615x).  (Moving the byte pairs with a shuffle and a
-    mask each instead of the unpacks held more constants: LLVM ran out of
-    registers and it was slower than bit arithmetic.)"""
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    bytes64, words32 = ir.VectorType(i8, 64), ir.VectorType(i16, 32)
-
-    def shuffle(a, b, picks):
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(picks)), picks))
-
-    lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bytes64, [bytes64] * 3),
-                                            "llvm.x86.avx512.vpermi2var.qi.512")  # (table lo, index, table hi)
-    bf16 = _e4m3fn_bfloat16_bits()
-    low, high = ([ir.Constant(bytes64, part[:64]), ir.Constant(bytes64, part[64:])]
-                 for part in ([b & 0xFF for b in bf16], [b >> 8 for b in bf16]))
-    # The unpacks below interleave within 128-bit lanes: byte 16 i + 4 k + j
-    # of their input ends up as element 16 k + 4 i + j, so it is put there first.
-    x = shuffle(x, x, [16 * k + 4 * i + j for i in range(4) for k in range(4) for j in range(4)])
-    low = builder.call(lookup, [low[0], x, low[1]])
-    high = builder.or_(builder.call(lookup, [high[0], x, high[1]]), builder.and_(x, _splat(bytes64, 0x80)))
-    zero = _splat(words32, 0)
-    out = []
-    for bytes_at in (0, 8):  # vpunpcklbw, vpunpckhbw: bfloat16 words
-        words = builder.bitcast(shuffle(low, high, [b for i in range(4) for t in range(bytes_at, bytes_at + 8)
-                                                    for b in (16 * i + t, 64 + 16 * i + t)]), words32)
-        for words_at in (0, 4):  # vpunpcklwd, vpunpckhwd under zeros: float32s
-            pairs = shuffle(zero, words, [w for i in range(4) for t in range(words_at, words_at + 4)
-                                          for w in (8 * i + t, 32 + 8 * i + t)])
-            out.append(builder.bitcast(pairs, ir.VectorType(ir.FloatType(), 16)))
-    return out
-
-
-@jit(inline=True)
-def _format(formats, code):
-    """``(shift, scale, infnan_em, nan_em, nan_bits)`` of format ``code``."""
-    row = formats[code]
-    scale = _float32_from_bits(np.uint32((row[SCALE_EXPONENT] + 127) << 23))
-    return (np.uint32(row[SHIFT]), scale, np.uint32(row[INFNAN_EM]), np.uint32(row[NAN_EM]),
-            np.uint32(row[NAN_BITS]))
-
-
-@jit(inline=True)
-def _copy_rows(dst, r0, n, width, src, base, seq_stride, step):
-    """``dst[r0 + t, c] = src[base + t * seq_stride + c * step]`` (a float32 or
-    float64 source: numba converts)."""
-    for t in range(n):
-        at = np.uint64(base + t * seq_stride)
-        for c in range(width):
-            dst[r0 + t, c] = src[at + np.uint64(c) * step]
-
-
-@jit()
-def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
-    """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
-    ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
-    dtype.  One loop per dtype, each simple enough for LLVM to vectorise;
-    unsigned element indices spare numba's negative-index wraparound (which
-    kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
-    step = np.uint64(stride)
-    if stride == 1:  # the rows PREFETCH_KEYS on, a cache line at a time
-        row_bytes = width * _itemsize(code)
-        for t in range(n):
-            ahead = (base + (t + PREFETCH_KEYS) * seq_stride) * (row_bytes // width)
-            for line in range(0, row_bytes, 64):
-                _prefetch(buf, np.uint64(ahead + line))
-    if code == F32:
-        _copy_rows(dst, r0, n, width, _view(buf, np.float32), base, seq_stride, step)
-    elif code == F64:
-        _copy_rows(dst, r0, n, width, _view(buf, np.float64), base, seq_stride, step)
-    elif code == BF16:  # bfloat16 is float32's upper half
-        src16 = _view(buf, np.uint16)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _float32_from_bits(np.uint32(src16[at + np.uint64(c) * step]) << 16)
-    elif code == F16:
-        src16 = _view(buf, np.uint16)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _half_to_float32(src16[at + np.uint64(c) * step])
-    elif code == E5M2:
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _e5m2_to_float32(buf[at + np.uint64(c) * step])
-    elif code == E4M3FN:
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _e4m3fn_to_float32(buf[at + np.uint64(c) * step])
-    elif code == E8M0:  # a power of two per byte, no sign: a 256-entry table (in L1)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = table[buf[at + np.uint64(c) * step]]
-    else:  # the fnuz float8s: one parametrised loop
-        shift, scale, infnan, nan_em, nan_x = _format(formats, code)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _decode_bits(buf[at + np.uint64(c) * step], np.uint32(0x80), shift, scale,
-                                              infnan, nan_em, nan_x)
-
-
-@jit(inline=True)
-def _tile_origin(j0, b, hk, desc, t):
-    """``(at, ld)``: key ``j0 + j``'s row of tensor ``t`` starts at element
-    ``at + j * ld`` of its buffer."""
-    at = desc[t, BASE] + b * desc[t, STRIDE_B] + hk * desc[t, STRIDE_H] + j0 * desc[t, STRIDE_S]
-    return at, desc[t, STRIDE_S]
-
-
-@jit(inline=True)
-def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code, narrow):
-    """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(bytes,
-    at, ld, code, in_place)``: key ``j``'s row is the ``width`` elements of
-    dtype ``code`` from element ``at + j * ld`` of ``bytes``.  The buffer
-    itself where it holds unit-stride rows of the accumulation dtype, or
-    (``narrow``: the loops read it) of an ``IN_PLACE`` dtype; else
-    ``scratch``, whose accumulation-dtype view ``tile`` is filled by
-    widening."""
-    base, seq_stride = _tile_origin(j0, b, hk, desc, t)
-    code = desc[t, DTYPE]
-    if desc[t, STRIDE_D] == 1:
-        if code == acc_code and (seq_stride >= width or n == 1):
-            return buf, base, max(seq_stride, width), code, True
-        if narrow and code in IN_PLACE_CODES:
-            return buf, base, seq_stride, code, True
-    first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
-    _widen_rows(tile[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
-                seq_stride, desc[t, STRIDE_D], table, formats)
-    return scratch, first_row, width, acc_code, False
-
-
-@jit(inline=True)
-def _rows_view(flat, at, ld, n, width):
-    """``(n, width)`` view of rows ``ld`` apart from ``flat[at]`` (for BLAS)."""
-    item = flat.itemsize
-    return as_strided(flat[at:], (n, width), (ld * item, item))
-
-
-def _code_of(arr):
-    """The dtype code of a float32 or float64 array (a compile-time constant)."""
-
-
-@overload(_code_of)
-def _code_of_impl(arr):
-    code = F64 if arr.dtype == types.float64 else F32
-    return lambda arr: code
-
-
-@intrinsic
-def _view(typingctx, buf, dtype):
-    """The bytes of the 1-D contiguous array ``buf`` as a 1-D array of
-    ``dtype`` (a NumPy scalar type, or an array whose dtype to take): as
-    ``buf.view(dtype)``, which numba compiles as a function of its own per
-    call site and dtype (~0.15 s each, ~1 s of a cold float32 call in
-    all); this is a few instructions inline."""
-    if not (isinstance(buf, types.Array) and buf.ndim == 1 and buf.layout == "C"):
-        return None
-    elem = dtype.dtype if isinstance(dtype, types.Array) else getattr(dtype, "instance_type", None)
-    if not isinstance(elem, types.Number):
-        return None
-    view = types.Array(elem, 1, "C")
-
-    def codegen(context, builder, sig, args):
-        from numba.core.imputils import impl_ret_borrowed
-        from numba.np.arrayobj import populate_array
-
-        src = context.make_array(buf)(context, builder, args[0])
-        out = context.make_array(view)(context, builder)
-        intp = context.get_value_type(types.intp)
-        src_size, size = (context.get_abi_sizeof(context.get_data_type(t)) for t in (buf.dtype, elem))
-        count = builder.udiv(builder.mul(cgutils.unpack_tuple(builder, src.shape)[0], ir.Constant(intp, src_size)),
-                             ir.Constant(intp, size))
-        populate_array(out, data=builder.bitcast(src.data, context.get_data_type(elem).as_pointer()),
-                       shape=[count], strides=[ir.Constant(intp, size)], itemsize=ir.Constant(intp, size),
-                       meminfo=src.meminfo, parent=src.parent)
-        return impl_ret_borrowed(context, builder, view, out._getvalue())
-
-    return view(buf, dtype), codegen
-
-
-# -- dot products: several rows against four keys ---------------------------------
-
-# Bytes a vector of ``_dots`` holds: one AVX-512 register (two AVX2 ones).
-VECTOR_BYTES = 64
-# Vectors of D a run of ``_axpy`` takes per row: four rows' 16 accumulators
-# fill half the registers; in float32, 64 elements (``E4M3FN_BLOCK``).
-AXPY_RUN_VECTORS = 4
-
-
-@intrinsic
-def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
-    """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
-    ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
-    ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
-    (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
-    last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
-    raw bytes holding elements of dtype ``code`` (``_per_format``), and
-    ``k_at`` counts those elements.
-
-    Written as LLVM IR so that the eight sums of a vector loop are reduced
-    together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
-    one reduction after another, which is what LLVM makes of scalar running
-    sums), and a row's four sums leave the reduced lanes as one store
-    (against 16 extractions and stores a pass, ~1/3 of the scores' time at
-    D = 64).  Each sum runs in vector lanes over ``D``'s whole vectors, the
-    lanes reduced by the same tree, then on from there one element at a
-    time over the rest: a dot product's bits depend on ``D`` only, not on
-    which pass or neighbours it had (a NaN's sign aside: float8_e4m3fn's
-    byte table keeps the sign of a NaN pattern, its bit arithmetic does
-    not)."""
-    if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
-            and isinstance(out_at, types.UniTuple) and k_at.count == 4 and q_at.count in (1, 2, 4)
-            and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype):
-        return None
-    return types.void(out, out_at, count, q, q_at, k, k_at, length, code), _emit_dots
-
-
-def _emit_dots(context, builder, sig, args):
-    out_ty, _, count_ty, q_ty, q_at_ty, k_ty, _, length_ty, _ = sig.args
-    out_arr = context.make_array(out_ty)(context, builder, args[0])
-    q_arr = context.make_array(q_ty)(context, builder, args[3])
-    k_arr = context.make_array(k_ty)(context, builder, args[5])
-    length = context.cast(builder, args[7], length_ty, types.int64)
-    q_rows = [builder.gep(q_arr.data, [builder.extract_value(args[4], r)]) for r in range(q_at_ty.count)]
-    real = context.get_value_type(q_ty.dtype)
-
-    def rows(elem, narrow):
-        keys = builder.bitcast(k_arr.data, elem.as_pointer())
-        k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(4)]
-        return _dot_sums(builder, q_rows, k_rows, length, real, narrow)
-
-    row_ty = ir.VectorType(real, 4)
-    i32 = ir.IntType(32)
-    count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
-    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]), _broadcast(builder, count, 4))
-    store = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [row_ty, row_ty.as_pointer(), i32, mask.type]),
-        f"llvm.masked.store.v4{'f32' if real == ir.FloatType() else 'f64'}.p0")
-    for r, row in enumerate(_per_format(builder, args[8], real, rows)):
-        at = builder.gep(out_arr.data, [builder.extract_value(args[1], r)])
-        builder.call(store, [row, builder.bitcast(at, row_ty.as_pointer()), ir.Constant(i32, _BYTES[str(real)]), mask])
-    return context.get_dummy_value()
-
-
-@intrinsic
-def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code):
-    """``acc[acc_at[r] + d] += p[p_at[r] + j] * v_j[d]`` for keys ``j <
-    keys`` and ``d < length``, the keys added one after another to each
-    element (a chain of FMAs, in key order); ``v_j`` is the row at element
-    ``v_at + j * ld`` of the raw bytes ``v``, of dtype ``code``
-    (``_per_format``).  ``R`` rows (1 or 4, ``acc_at`` and ``p_at``): each
-    loaded V vector feeds them all.  ``ahead`` (elements): each vector
-    loaded asks for the one that far on (``_prefetch``; 0: itself, at hand
-    already -- a branch around the request made LLVM compile every loop
-    twice, and measured no faster).
-
-    LLVM IR.  ``D`` is taken in runs of ``AXPY_RUN_VECTORS`` vectors, then
-    of one, then of one element; in each run the rows' accumulators are loaded once, take
-    every key's FMAs in registers, and are stored once (``AXPY_KEYS``).
-    Each element takes the same chain whichever run holds it.  One compiled
-    loop per format, chosen at run time, in every kernel: a narrow cache
-    costs no compilation of its own."""
-    if not (isinstance(acc_at, types.UniTuple) and isinstance(p_at, types.UniTuple)
-            and acc_at.count in (1, 4) and p_at.count == acc_at.count and v.dtype == types.uint8
-            and p.dtype == acc.dtype):
-        return None
-    return types.void(acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code), _emit_axpy
-
-
-def _emit_axpy(context, builder, sig, args):
-    acc_ty, acc_at_ty, p_ty, _, v_ty = sig.args[:5]
-    acc_arr = context.make_array(acc_ty)(context, builder, args[0])
-    p_arr = context.make_array(p_ty)(context, builder, args[2])
-    v_arr = context.make_array(v_ty)(context, builder, args[4])
-    v_at, ld, ahead, keys, length = (context.cast(builder, args[i], sig.args[i], types.int64) for i in range(5, 10))
-    real = context.get_value_type(acc_ty.dtype)
-    n_rows = acc_at_ty.count
-    acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(n_rows)]
-    p_rows = [builder.gep(p_arr.data, [builder.extract_value(args[3], r)]) for r in range(n_rows)]
-    lanes, align = VECTOR_BYTES // _BYTES[str(real)], _BYTES[str(real)]
-    i64 = ir.IntType(64)
-
-    def loops(elem, narrow):
-        first = builder.gep(builder.bitcast(v_arr.data, elem.as_pointer()), [v_at])
-
-        def run(width, parts, block):  # the keys over ``parts`` runs of ``width`` elements from ``d0``
-            ty = ir.VectorType(real, width) if width > 1 else real
-            fma = _fmuladd(builder, ty)
-
-            def body(d0, _):
-                ptrs = [builder.bitcast(builder.gep(row, [builder.add(d0, ir.Constant(i64, c * width))]),
-                                        ty.as_pointer()) for row in acc_rows for c in range(parts)]
-
-                def key(j, accs):
-                    row = builder.gep(first, [builder.add(builder.mul(j, ld), d0)])
-                    if width > 1:
-                        for c in range(parts):
-                            at = builder.add(ahead, ir.Constant(i64, c * width))
-                            _emit_prefetch(builder, builder.gep(row, [at]))
-                    if block:
-                        bytes64 = _load(builder, row, ir.Constant(i64, 0), E4M3FN_BLOCK, None)
-                        vs = _widen_e4m3fn_block(builder, bytes64)
-                    else:
-                        vs = [_load(builder, row, ir.Constant(i64, c * width), width, narrow) for c in range(parts)]
-                    ws = [builder.load(builder.gep(p_row, [j])) for p_row in p_rows]
-                    if width > 1:
-                        ws = [_broadcast(builder, w, width) for w in ws]
-                    return [builder.call(fma, [ws[r], vs[c], accs[r * parts + c]])
-                            for r in range(n_rows) for c in range(parts)]
-
-                accs = [builder.load(ptr, align=align) for ptr in ptrs]
-                accs = _emit_loop(builder, ir.Constant(i64, 0), keys, 1, accs, key)
-                for ptr, a in zip(ptrs, accs):
-                    builder.store(a, ptr, align=align)
-                return []
-            return body
-
-        whole, start = _whole_vectors(builder, length, lanes, narrow), ir.Constant(i64, 0)
-        if not isinstance(whole, ir.Constant):
-            start = builder.and_(length, ir.Constant(i64, -AXPY_RUN_VECTORS * lanes))
-            blocks = _blocks(narrow, real, n_rows)
-            _emit_loop(builder, ir.Constant(i64, 0), start, AXPY_RUN_VECTORS * lanes, [],
-                       run(lanes, AXPY_RUN_VECTORS, blocks))
-            _emit_loop(builder, start, whole, lanes, [], run(lanes, 1, False))
-        _emit_loop(builder, whole, length, 1, [], run(1, 1, False))
-        return []
-
-    _per_format(builder, args[10], real, loops)
-    return context.get_dummy_value()
-
-
-def _per_format(builder, code, real, emit):
-    """IR: ``emit(element type, narrow format)`` for the K/V dtype ``code``
-    (a run-time value), the results of each merged.  ``real`` float: float32
-    rows, or ``IN_PLACE`` ones (read as they are: ``_widen_ir``); double:
-    float64 rows only (the kernel hands narrow rows to float64 loops
-    widened, in tiles)."""
-    formats = [(F32, ir.FloatType(), None)]
-    formats += [(code, ir.IntType(bits), narrow) for code, (narrow, bits) in IN_PLACE.items()]
-    if real == ir.DoubleType():
-        formats = [(F64, real, None)]
-    after = builder.append_basic_block("format.after")
-    blocks = [builder.append_basic_block(f"format.{narrow or real}") for _, _, narrow in formats]
-    switch = builder.switch(code, blocks[0])  # any other code: the first
-    for (value, _, _), block in zip(formats[1:], blocks[1:]):
-        switch.add_case(ir.Constant(code.type, value), block)
-    results = []
-    for (_, elem, narrow), block in zip(formats, blocks):
-        builder.position_at_end(block)
-        results.append((emit(elem, narrow), builder.block))
-        builder.branch(after)
-    builder.position_at_end(after)
-    return _phis(builder, results)
-
-
-_BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
-
-
-def _whole_vectors(builder, length, lanes, narrow):
-    """IR: the elements of ``length`` that vector loops take (whole vectors;
-    none for float16-based formats where the CPU lacks F16C: those go one
-    at a time)."""
-    if narrow not in (None, "bf16") and not has_f16c():
-        return ir.Constant(ir.IntType(64), 0)
-    return builder.and_(length, ir.Constant(ir.IntType(64), -lanes))
-
-
-def _load(builder, row, at, width, narrow):
-    """IR: ``width`` elements (a vector, or a scalar for 1) from ``row[at]``,
-    widened from format ``narrow`` (None: as they are)."""
-    elem = row.type.pointee
-    ty = ir.VectorType(elem, width) if width > 1 else elem
-    value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
-    return _widen_ir(builder, value, narrow, has_f16c()) if narrow else value
-
-
-def _fmuladd(builder, ty):
-    """``llvm.fmuladd`` for ``ty`` (a float or double scalar or vector): an FMA."""
-    scalar = ty.element if isinstance(ty, ir.VectorType) else ty
-    name = (f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}"
-            f"{'f32' if scalar == ir.FloatType() else 'f64'}")
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
-
-
-def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
-    """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its four
-    keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``)."""
-    i64 = ir.IntType(64)
-    lanes = VECTOR_BYTES // _BYTES[str(real)]
-    vec = ir.VectorType(real, lanes)
-    whole = _whole_vectors(builder, length, lanes, narrow)
-
-    def step(width, ty):
-        fn = _fmuladd(builder, ty)
-
-        def body(at, accs):
-            qs = [_load(builder, row, at, width, None) for row in q_rows]
-            ks = [_load(builder, row, at, width, narrow) for row in k_rows]
-            return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
-        return body
-
-    def block(at, accs):  # four vector steps, each sum's FMAs in the same order
-        fn, accs = _fmuladd(builder, vec), list(accs)
-        qs = [[_load(builder, row, builder.add(at, ir.Constant(i64, s)), lanes, None)
-               for s in range(0, E4M3FN_BLOCK, lanes)] for row in q_rows]
-        for j, row in enumerate(k_rows):
-            ks = _widen_e4m3fn_block(builder, _load(builder, row, at, E4M3FN_BLOCK, None))
-            for r, q_parts in enumerate(qs):
-                for qv, kv in zip(q_parts, ks):
-                    accs[4 * r + j] = builder.call(fn, [qv, kv, accs[4 * r + j]])
-        return accs
-
-    n_sums, i32 = 4 * len(q_rows), ir.IntType(32)
-    if isinstance(whole, ir.Constant):  # no vector loop
-        sums = _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
-        return _as_rows(builder, sums)
-    start, vectors = ir.Constant(i64, 0), [ir.Constant(vec, None)] * n_sums
-    if _blocks(narrow, real, len(q_rows)):
-        blocks = builder.and_(length, ir.Constant(i64, -E4M3FN_BLOCK))
-        start, vectors = blocks, _emit_loop(builder, start, blocks, E4M3FN_BLOCK, vectors, block)
-    vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
-    reduced = [_reduce_lanes(builder, vectors[first:first + 8]) for first in range(0, n_sums, 8)]
-    # The rows straight from the reduced lanes (eight sums a vector: two
-    # rows); where D has a tail, one element at a time on from them.
-    whole_rows = [builder.shuffle_vector(reduced[r // 2], reduced[r // 2],
-                                         ir.Constant(ir.VectorType(i32, 4), [4 * (r % 2) + t for t in range(4)]))
-                  for r in range(len(q_rows))]
-    before = builder.block
-    tail, after = builder.append_basic_block("tail"), builder.append_basic_block("tail.after")
-    builder.cbranch(builder.icmp_signed("<", whole, length), tail, after)
-    builder.position_at_end(tail)
-    sums = [builder.extract_element(reduced[i // 8], ir.Constant(i32, i % 8)) for i in range(n_sums)]
-    tail_rows = _as_rows(builder, _emit_loop(builder, whole, length, 1, sums, step(1, real)))
-    tail_end = builder.block
-    builder.branch(after)
-    builder.position_at_end(after)
-    return _phis(builder, [(whole_rows, before), (tail_rows, tail_end)])
-
-
-def _as_rows(builder, sums):
-    """IR: sums ``4 r + j`` as one ``<4 x real>`` a row ``r``."""
-    row = ir.Constant(ir.VectorType(sums[0].type, 4), None)
-    rows = []
-    for first in range(0, len(sums), 4):
-        vector = row
-        for j in range(4):
-            vector = builder.insert_element(vector, sums[first + j], ir.Constant(ir.IntType(32), j))
-        rows.append(vector)
-    return rows
-
-
-def _emit_loop(builder, start, stop, stride, init, body):
-    """IR of ``for at in range(start, stop, stride): values = body(at, values)``;
-    returns the values after it (``init`` if it never runs)."""
-    i64 = ir.IntType(64)
-    before = builder.block
-    loop = builder.append_basic_block("loop")
-    after = builder.append_basic_block("loop.after")
-    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
-    builder.position_at_end(loop)
-    at = builder.phi(i64)
-    values = [builder.phi(v.type) for v in init]
-    new = body(at, values)
-    end = builder.block  # the body's last block (it may hold loops of its own)
-    following = builder.add(at, ir.Constant(i64, stride))
-    at.add_incoming(start, before)
-    at.add_incoming(following, end)
-    for phi, first, updated in zip(values, init, new):
-        phi.add_incoming(first, before)
-        phi.add_incoming(updated, end)
-    backedge = builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
-    backedge.set_metadata("llvm.loop", _as_written(builder.module))
-    builder.position_at_end(after)
-    return _phis(builder, [(init, before), (new, end)])
-
-
-def _phis(builder, incoming):
-    """IR: one phi a value, merging ``incoming``, ``(values, block)`` pairs
-    (each block's values in the same order)."""
-    merged = []
-    for i, first in enumerate(incoming[0][0]):
-        phi = builder.phi(first.type)
-        for values, block in incoming:
-            phi.add_incoming(values[i], block)
-        merged.append(phi)
-    return merged
-
-
-def _as_written(module):
-    """Loop metadata: LLVM is to neither vectorise nor unroll the loop (its
-    vector loops are written so; its scalar ones run a few times)."""
-    props = [module.add_metadata([ir.MetaDataString(module, name), ir.Constant(ir.IntType(1), 0)])
-             for name in ("llvm.loop.vectorize.enable",)] + [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])]
-    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))  # a node of its own
-    loop_id.operands = (loop_id, *props)
-    return loop_id
-
-
-def _reduce_lanes(builder, vectors):
-    """IR: eight vectors -> one vector of their eight lane sums, in order.
-    Pairs of vectors are merged keeping each one's lower and upper halves
-    (``lo + hi``), until one vector holds every sum in blocks; then each
-    block is halved in place.  Every sum gets the same tree: lane ``t`` plus
-    lane ``t + w/2`` at each width ``w``."""
-    i32 = ir.IntType(32)
-
-    def shuffle(a, b, picks):
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(picks)), picks))
-
-    lanes = vectors[0].type.count
-    width = lanes  # lanes per sum
-    while len(vectors) > 1:
-        half, merged = width // 2, []
-        for a, b in zip(vectors[0::2], vectors[1::2]):
-            blocks = [(0, k * width) for k in range(lanes // width)] + [(lanes, k * width) for k in range(lanes // width)]
-            lo = shuffle(a, b, [src + at + t for src, at in blocks for t in range(half)])
-            hi = shuffle(a, b, [src + at + half + t for src, at in blocks for t in range(half)])
-            merged.append(builder.fadd(lo, hi))
-        vectors, width = merged, half
-    vector = vectors[0]
-    while width > 1:
-        half, count = width // 2, vector.type.count
-        lo = shuffle(vector, vector, [at + t for at in range(0, count, width) for t in range(half)])
-        hi = shuffle(vector, vector, [at + half + t for at in range(0, count, width) for t in range(half)])
-        vector, width = builder.fadd(lo, hi), half
-    return vector
-
-
-# -- exp ----------------------------------------------------------------------------
-
-
-def _exp(x):
-    """``e**x`` for ``x <= 0``; NaN gives 0, and ``-inf`` gives ``-0.0``: the
-    weight of a masked key, which the loop kernel leaves out of ``P V`` (a
-    weight that underflowed is ``+0.0`` and counts, as in BLAS)."""
-
-
-@overload(_exp)
-def _exp_impl(x):
-    if x == types.float64:
-        def exp64(x):
-            if x >= -745.2:
-                return math.exp(x)
-            return -0.0 if x == -np.inf else 0.0  # NaN -> 0 as well
-        return exp64
-
-    def exp32(x):
-        # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
-        # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
-        # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
-        # within ~1 ulp of e**x (0.99-1.02 at worst, 0.27 on average over 5.6
-        # million values in (-87, 0], with or without FMA contraction).
-        inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
-        xc = x if inside else np.float32(-87.0)
-        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = xc - n * np.float32(0.693359375)
-        r = r + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = p * r * r + r + np.float32(1.0)
-        pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
-        underflow = np.float32(-0.0) if x == -np.inf else np.float32(0.0)
-        return p * pow2n if inside else underflow
-    return exp32
-
-
-@intrinsic
-def _claim(typingctx, counter):
-    """``counter[0]``, atomically incremented: the next item for whichever
-    thread asks first."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return types.int64(counter), codegen
-
-
-@intrinsic
-def _gemm(typingctx, a, b, c, beta, trans_b, fn):
-    """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
-    unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
-    Fortran-ABI function at address ``fn`` (numkv's own OpenBLAS,
-    ``numkv._runtime.blas``), or where ``fn`` is 0 the ``numba_xxgemm``
-    helper numba's own ``np.dot`` calls (SciPy's BLAS).  Both are found at
-    run time, so the kernel stays in numba's disk cache.  Unlike ``np.dot``
-    it accumulates (``beta``) and reads strided rows in place."""
-    if not all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype == c.dtype for x in (a, b, c)):
-        return None
-    if not isinstance(fn, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        from numba.np.linalg import ensure_blas
-
-        dtype = sig.args[2].dtype
-        char, int32, intp = ir.IntType(8), ir.IntType(32), context.get_value_type(types.intp)
-        voidp = char.as_pointer()
-        a_, b_, c_ = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_value_type(dtype)))
-
-        def ld(ary):  # the distance between rows, in elements
-            return builder.sdiv(cgutils.unpack_tuple(builder, ary.strides)[0], itemsize)
-
-        m, k = cgutils.unpack_tuple(builder, a_.shape)
-        n = cgutils.unpack_tuple(builder, c_.shape)[1]
-        one = cgutils.alloca_once_value(builder, context.get_constant(dtype, 1.0))
-        beta_ = cgutils.alloca_once_value(builder, context.cast(builder, args[3], sig.args[3], dtype))
-        transpose = context.cast(builder, args[4], sig.args[4], types.boolean)
-        op_b = builder.select(transpose, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
-        address = context.cast(builder, args[5], sig.args[5], types.intp)
-        # BLAS is column-major: there the product is c^T = op(b)^T a^T.
-        ldb, lda, ldc = ld(b_), ld(a_), ld(c_)
-        one_p, b_p, a_p, beta_p, c_p = (builder.bitcast(x, voidp) for x in (one, b_.data, a_.data, beta_, c_.data))
-        with builder.if_else(builder.icmp_signed("==", address, ir.Constant(intp, 0))) as (helper, own):
-            with helper:
-                ensure_blas()
-                fnty = ir.FunctionType(int32, [char, char, char, intp, intp, intp, voidp, voidp, intp,
-                                               voidp, intp, voidp, voidp, intp])
-                xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
-                kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
-                builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), n, m, k,
-                                      one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
-            with own:  # Fortran ABI: every argument by pointer, LP64 integers
-                def ref(value):
-                    return cgutils.alloca_once_value(builder, value)
-
-                int_p = int32.as_pointer()
-                fnty = ir.FunctionType(ir.VoidType(), [voidp, voidp, int_p, int_p, int_p, voidp, voidp, int_p,
-                                                       voidp, int_p, voidp, voidp, int_p])
-                gemm = builder.inttoptr(address, fnty.as_pointer())
-                nn, mm, kk, ldb_, lda_, ldc_ = (ref(builder.trunc(x, int32)) for x in (n, m, k, ldb, lda, ldc))
-                builder.call(gemm, (ref(op_b), ref(ir.Constant(char, ord("n"))), nn, mm, kk,
-                                    one_p, b_p, ldb_, a_p, lda_, beta_p, c_p, ldc_))
-        return context.get_dummy_value()
-
-    return types.void(a, b, c, beta, trans_b, fn), codegen
-
-
-# -- the two matrix products ----------------------------------------------------------
-
-
-@jit(inline=True)
-def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
-    """``s = qt K^T`` by BLAS, split along d so that each product stays within
-    ``gemm_limit``."""
-    d_k = qt.shape[1]
-    kt = _rows_view(kf, ko, kld, n, d_k)
-    part = max(1, min(d_k, gemm_limit // (rows * n)))
-    for d0 in range(0, d_k, part):
-        _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True, gemm_fn)
-
-
-@jit(inline=True)
-def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
-    """``acc += p V`` by BLAS, split as ``_gemm_scores``."""
-    d_v = acc.shape[1]
-    vt = _rows_view(vf, vo, vld, n, d_v)
-    part = max(1, min(d_v, gemm_limit // (rows * n)))
-    for d0 in range(0, d_v, part):
-        _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False, gemm_fn)
-
-
-@jit()
-def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
-    """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
-    of the raw bytes ``kb``, of dtype ``code``: BLAS
-    for many rows, else a loop over four keys at a time that scores them
-    against four query rows (then two, then one) per pass (``_dots``);
-    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
-    past the last key repeats it (and stores only the tile's scores): every
-    score comes from the same sum, so its bits depend neither on the number
-    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
-    masked key at its end changes nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
-    narrow one too (``_per_format``; float32 ``qt``)."""
-    if use_blas:
-        _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
-        return
-    d_k = qt.shape[1]
-    qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
-    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    size = _itemsize(code)
-    last_key = n - 1
-    for j in range(0, n, 4):
-        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
-        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
-                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
-        if prefetch:
-            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
-        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
-        r = 0
-        while r + 4 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
-                    np.uint64(r + 3) * width)
-            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
-                    s0 + np.uint64(r + 3) * stride)
-            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
-            r += 4
-        if r + 2 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
-                  d_k, code)
-            r += 2
-        if r < rows:
-            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
-
-
-@jit()
-def _all_weighted(p, rows, n):
-    """Whether every weight of ``p[:rows, :n]`` is nonzero (no masked key)."""
-    zeros = 0
-    for r in range(rows):
-        for j in range(n):
-            zeros += p[r, j] == 0
-    return zeros == 0
-
-
-# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
-# the longer the run, the longer the accumulators stay in registers.  Runs
-# of 16 against a load and a store of every accumulator each four keys (4
-# rows, one thread, value update alone, medians of interleaved calls): D =
-# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
-# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
-# longer than a run of four vectors (D = 128), streamed from memory, took
-# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
-# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
-# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
-# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
-AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
-
-
-@jit(inline=True)
-def _masked(weight):
-    """Whether a weight is a masked key's ``-0.0`` (see ``_exp``)."""
-    return weight == 0 and math.copysign(1.0, weight) < 0
-
-
-@jit()
-def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
-    """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
-    + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
-    dtype only; the loops: a narrow one too, ``_per_format``).
-    The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
-    masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
-    cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
-    whose weight underflowed to ``+0.0`` counts in both, as in the reference.
-
-    The loop adds one key after another to each element (an FMA chain, no
-    reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
-    row's bits do not depend on its neighbours, nor on which pass took it.
-    Where no weight of the tile is zero, rows go four at a time (each
-    loaded V vector feeds four rows); the others one at a time, in runs of
-    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys."""
-    d_v = acc.shape[1]
-    for r in range(rows):
-        a = alpha[r]
-        if a != 1.0:
-            for d in range(d_v):
-                acc[r, d] *= a
-    if use_blas and not skip_masked:
-        _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
-        return
-    accf, pf = acc.reshape(rows * d_v), p.reshape(rows * n)
-    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
-    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
-    # Blocks of four rows outer, keys inner: the first block reads V from
-    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
-    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
-    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
-    # 7.0-7.1).
-    for r in range(0, rows4, 4):
-        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
-        for j in range(0, n, run):
-            w = np.uint64(r * n + j)
-            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
-                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
-                  d_v, code)
-    for r in range(rows4, rows):
-        j = 0
-        while j < n:
-            stop = j + 1
-            if not _masked(p[r, j]):
-                while stop < min(j + run, n) and not _masked(p[r, stop]):
-                    stop += 1
-                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
-                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
-            j = stop
-
-
-@jit()
-def _all_finite(flat, at, ld, n, width):
-    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
-    (``x - x`` is 0 only then)."""
-    total = flat.dtype.type(0.0)
-    for j in range(n):
-        row = np.uint64(at + j * ld)
-        for c in range(width):
-            x = flat[row + np.uint64(c)]
-            total += x - x
-    return total == 0
-
-
-# -- the softmax of one tile ---------------------------------------------------------
-
-
-@jit(reassociate=True)
-def _exp_row_sum(s, r, n, m):
-    """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
-    whatever order LLVM picks (the BLAS path: its products do not keep bits
-    across tile lengths either).  A 128 x 64 tile: 11.9 us with a separate
-    ``_row_sum``, 7.9 with this."""
-    total = s.dtype.type(0.0)
-    for j in range(n):
-        p = _exp(s[r, j] - m)
-        s[r, j] = p
-        total += p
-    return total
-
-
-@intrinsic
-def _row_sum(typingctx, flat, at, n):
-    """``sum(flat[at:at + n])`` in eight lanes added in a fixed order (lane
-    ``t`` sums the entries ``j = t mod 8`` one after another; then ``((l0 +
-    l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``): the bits do not depend on
-    ``n`` when the extra entries are zeros (a masked key at the end of a tile
-    changes nothing), and a chain of float adds does not run at a quarter
-    of their rate.  LLVM IR, eight lanes a vector add (LLVM kept eight
-    scalar sums scalar: 0.17 ns an entry)."""
-    if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"
-            and isinstance(flat.dtype, types.Float) and isinstance(at, types.Integer) and isinstance(n, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        real = context.get_value_type(sig.args[0].dtype)
-        i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, 8)
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        at, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:]))
-        row = builder.gep(ary.data, [at])
-
-        def add(j, lanes):
-            ptr = builder.bitcast(builder.gep(row, [j]), vec.as_pointer())
-            return [builder.fadd(lanes[0], builder.load(ptr, align=_BYTES[str(real)]))]
-
-        whole = builder.and_(n, ir.Constant(i64, -8))
-        lanes = _emit_loop(builder, ir.Constant(i64, 0), whole, 8, [_splat(vec, 0.0)], add)[0]
-        # The tail's entries to the lanes they would have had in a longer row (+0.0 to the others).
-        tail = builder.trunc(builder.sub(n, whole), i32)
-        lane_index = ir.Constant(ir.VectorType(i32, 8), list(range(8)))
-        mask = builder.icmp_unsigned("<", lane_index, _broadcast(builder, tail, 8))
-        load = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vec, [vec.as_pointer(), i32, mask.type, vec]),
-            f"llvm.masked.load.v8{'f32' if real == ir.FloatType() else 'f64'}.p0")
-        ptr = builder.bitcast(builder.gep(row, [whole]), vec.as_pointer())
-        tail_lanes = builder.call(load, [ptr, ir.Constant(i32, _BYTES[str(real)]), mask, _splat(vec, 0.0)])
-        lanes = builder.fadd(lanes, tail_lanes)
-        lane = [builder.extract_element(lanes, ir.Constant(i32, t)) for t in range(8)]
-        pairs = [builder.fadd(lane[t], lane[t + 1]) for t in range(0, 8, 2)]
-        return builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
-
-    return flat.dtype(flat, at, n), codegen
-
-
-@jit(contract=True)
-def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
-                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad, fast_sum):
-    """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
-    place) and fold them into each row's running max ``m`` and sum ``l``;
-    ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
-
-    ``edge``: some row's interval ends inside the tile, or a mask applies --
-    the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
-    """
-    inf = np.inf
-    flat = s.reshape(rows * n)
-    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
-        for t in range(rows * n):
-            flat[t] *= score_scale
-    if softcap > 0.0:  # ONNX: the softcap comes before the mask
-        for t in range(rows * n):
-            flat[t] = softcap * math.tanh(flat[t] / softcap)
-    for r in range(rows):
-        i = r % nq
-        if edge:
-            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
-            for j in range(n):
-                if j < first or j >= stop:
-                    s[r, j] = -inf
-            if mask_base >= 0:
-                at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
-                for j in range(first, stop):
-                    bias = mask[at + j * mask_stride_j]
-                    s[r, j] = -inf if bias == -inf else s[r, j] + bias
-        m_old = m[r]
-        m_new = m_old
-        for j in range(n):
-            m_new = _maximum(m_new, s[r, j])
-        # NaN or +inf among the attended scores (masked ones are -inf) makes
-        # the row NaN; nothing attended yet: no weights, nothing to rescale.
-        if not m_new < inf or m_new == -inf:
-            bad[r] |= m_new != -inf
-            for j in range(n):
-                s[r, j] = -0.0  # no weight, masked: see _exp
-            alpha[r] = 1.0
-            continue
-        if fast_sum:
-            total = _exp_row_sum(s, r, n, m_new)
-        else:
-            for j in range(n):
-                s[r, j] = _exp(s[r, j] - m_new)
-            total = _row_sum(flat, r * n, n)
-        a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
-        alpha[r] = a
-        l[r] = l[r] * a + total
-        m[r] = m_new
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _claim, _float32_from_bits, _maximum, _prefetch_ahead, _row_sum, _view
+from .widen import _itemsize, _kv_tile, _widen_rows
+
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): see the module docstring;
+# ``tests/test_kernel_layout.py`` prints the value to set.
+HELPERS_SHA256 = "3597272dd3d96ae845c32882c75158b1b122b8101130451b9ac6424825e1382b"
 
 
 # -- work items --------------------------------------------------------------------------
-
-
-@jit(inline=True)
-def _row_bounds(i, off, valid, causal, left, right):
-    """Inclusive key interval ``[lo, hi]`` of query ``i`` (``hi < lo``: none)."""
-    pos = off + i  # the query's absolute position
-    hi = valid - 1
-    if causal and pos < hi:
-        hi = pos
-    if right >= 0 and pos + right < hi:
-        hi = pos + right
-    lo = 0
-    if left >= 0 and pos - left > lo:
-        lo = pos - left
-    return lo, hi
 
 
 @jit()
@@ -1411,6 +226,284 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
 
 
+@jit(inline=True)
+def _row_bounds(i, off, valid, causal, left, right):
+    """Inclusive key interval ``[lo, hi]`` of query ``i`` (``hi < lo``: none)."""
+    pos = off + i  # the query's absolute position
+    hi = valid - 1
+    if causal and pos < hi:
+        hi = pos
+    if right >= 0 and pos + right < hi:
+        hi = pos + right
+    lo = 0
+    if left >= 0 and pos - left > lo:
+        lo = pos - left
+    return lo, hi
+
+
+# -- scores: S = Q K^T -------------------------------------------------------------------
+
+
+@jit()
+def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
+    """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
+    of the raw bytes ``kb``, of dtype ``code``: BLAS
+    for many rows, else a loop over four keys at a time that scores them
+    against four query rows (then two, then one) per pass (``_dots``);
+    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
+    past the last key repeats it (and stores only the tile's scores): every
+    score comes from the same sum, so its bits depend neither on the number
+    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
+    masked key at its end changes nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
+    narrow one too (``decode_loops._per_format``; float32 ``qt``)."""
+    if use_blas:
+        _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
+        return
+    d_k = qt.shape[1]
+    qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
+    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    size = _itemsize(code)
+    last_key = n - 1
+    for j in range(0, n, 4):
+        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
+        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
+                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
+        if prefetch:
+            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
+        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
+        r = 0
+        while r + 4 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                    np.uint64(r + 3) * width)
+            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                    s0 + np.uint64(r + 3) * stride)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
+            r += 4
+        if r + 2 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+                  d_k, code)
+            r += 2
+        if r < rows:
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
+
+
+# -- the softmax of one tile -------------------------------------------------------------
+
+
+@jit(contract=True)
+def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
+                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad, fast_sum):
+    """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
+    place) and fold them into each row's running max ``m`` and sum ``l``;
+    ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
+
+    ``edge``: some row's interval ends inside the tile, or a mask applies --
+    the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
+    """
+    inf = np.inf
+    flat = s.reshape(rows * n)
+    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
+        for t in range(rows * n):
+            flat[t] *= score_scale
+    if softcap > 0.0:  # ONNX: the softcap comes before the mask
+        for t in range(rows * n):
+            flat[t] = softcap * math.tanh(flat[t] / softcap)
+    for r in range(rows):
+        i = r % nq
+        if edge:
+            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
+            for j in range(n):
+                if j < first or j >= stop:
+                    s[r, j] = -inf
+            if mask_base >= 0:
+                at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
+                for j in range(first, stop):
+                    bias = mask[at + j * mask_stride_j]
+                    s[r, j] = -inf if bias == -inf else s[r, j] + bias
+        m_old = m[r]
+        m_new = m_old
+        for j in range(n):
+            m_new = _maximum(m_new, s[r, j])
+        # NaN or +inf among the attended scores (masked ones are -inf) makes
+        # the row NaN; nothing attended yet: no weights, nothing to rescale.
+        if not m_new < inf or m_new == -inf:
+            bad[r] |= m_new != -inf
+            for j in range(n):
+                s[r, j] = -0.0  # no weight, masked: see _exp
+            alpha[r] = 1.0
+            continue
+        if fast_sum:
+            total = _exp_row_sum(s, r, n, m_new)
+        else:
+            for j in range(n):
+                s[r, j] = _exp(s[r, j] - m_new)
+            total = _row_sum(flat, r * n, n)
+        a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
+        alpha[r] = a
+        l[r] = l[r] * a + total
+        m[r] = m_new
+
+
+@jit(reassociate=True)
+def _exp_row_sum(s, r, n, m):
+    """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
+    whatever order LLVM picks (the BLAS path: its products do not keep bits
+    across tile lengths either).  A 128 x 64 tile: 11.9 us with a separate
+    ``_row_sum``, 7.9 with this."""
+    total = s.dtype.type(0.0)
+    for j in range(n):
+        p = _exp(s[r, j] - m)
+        s[r, j] = p
+        total += p
+    return total
+
+
+def _exp(x):
+    """``e**x`` for ``x <= 0``; NaN gives 0, and ``-inf`` gives ``-0.0``: the
+    weight of a masked key, which the loop kernel leaves out of ``P V`` (a
+    weight that underflowed is ``+0.0`` and counts, as in BLAS)."""
+
+
+@overload(_exp)
+def _exp_impl(x):
+    if x == types.float64:
+        def exp64(x):
+            if x >= -745.2:
+                return math.exp(x)
+            return -0.0 if x == -np.inf else 0.0  # NaN -> 0 as well
+        return exp64
+
+    def exp32(x):
+        # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
+        # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
+        # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
+        # within ~1 ulp of e**x (0.99-1.02 at worst, 0.27 on average over 5.6
+        # million values in (-87, 0], with or without FMA contraction).
+        inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
+        xc = x if inside else np.float32(-87.0)
+        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = xc - n * np.float32(0.693359375)
+        r = r + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
+        underflow = np.float32(-0.0) if x == -np.inf else np.float32(0.0)
+        return p * pow2n if inside else underflow
+    return exp32
+
+
+# -- the value update: acc = alpha acc + P V ---------------------------------------------
+
+
+# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
+# the longer the run, the longer the accumulators stay in registers.  Runs
+# of 16 against a load and a store of every accumulator each four keys (4
+# rows, one thread, value update alone, medians of interleaved calls): D =
+# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
+# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
+# longer than a run of four vectors (D = 128), streamed from memory, took
+# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
+# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
+# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
+# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
+AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
+
+
+@jit()
+def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
+    """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
+    + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
+    dtype only; the loops: a narrow one too, ``decode_loops._per_format``).
+    The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
+    masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
+    cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
+    whose weight underflowed to ``+0.0`` counts in both, as in the reference.
+
+    The loop adds one key after another to each element (an FMA chain, no
+    reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
+    row's bits do not depend on its neighbours, nor on which pass took it.
+    Where no weight of the tile is zero, rows go four at a time (each
+    loaded V vector feeds four rows); the others one at a time, in runs of
+    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys
+    (``AXPY_KEYS_LONG_FLOAT32`` for float32 rows longer than a run of
+    ``AXPY_RUN_VECTORS`` vectors)."""
+    d_v = acc.shape[1]
+    for r in range(rows):
+        a = alpha[r]
+        if a != 1.0:
+            for d in range(d_v):
+                acc[r, d] *= a
+    if use_blas and not skip_masked:
+        _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
+        return
+    accf, pf = acc.reshape(rows * d_v), p.reshape(rows * n)
+    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
+    # Blocks of four rows outer, keys inner: the first block reads V from
+    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
+    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
+    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
+    # 7.0-7.1).
+    for r in range(0, rows4, 4):
+        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
+        for j in range(0, n, run):
+            w = np.uint64(r * n + j)
+            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
+                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
+                  d_v, code)
+    for r in range(rows4, rows):
+        j = 0
+        while j < n:
+            stop = j + 1
+            if not _masked(p[r, j]):
+                while stop < min(j + run, n) and not _masked(p[r, stop]):
+                    stop += 1
+                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
+                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
+            j = stop
+
+
+@jit()
+def _all_weighted(p, rows, n):
+    """Whether every weight of ``p[:rows, :n]`` is nonzero (no masked key)."""
+    zeros = 0
+    for r in range(rows):
+        for j in range(n):
+            zeros += p[r, j] == 0
+    return zeros == 0
+
+
+@jit(inline=True)
+def _masked(weight):
+    """Whether a weight is a masked key's ``-0.0`` (see ``_exp``)."""
+    return weight == 0 and math.copysign(1.0, weight) < 0
+
+
+@jit()
+def _all_finite(flat, at, ld, n, width):
+    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
+    (``x - x`` is 0 only then)."""
+    total = flat.dtype.type(0.0)
+    for j in range(n):
+        row = np.uint64(at + j * ld)
+        for c in range(width):
+            x = flat[row + np.uint64(c)]
+            total += x - x
+    return total == 0
+
+
+# -- the output rows, and the merge of a split key range ---------------------------------
+
+
 @jit()
 def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
     """``y = acc / l`` for the tile's rows: zeros where ``l == 0`` (nothing
@@ -1473,3 +566,16 @@ def _merge_item(item, y, ints, desc, part_m, part_l, part_acc):
             for d in range(d_v):
                 acc[r, d] += part_acc[first + c, r, d] * w
     _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
+
+
+# -- compile-time facts ------------------------------------------------------------------
+
+
+def _code_of(arr):
+    """The dtype code of a float32 or float64 array (a compile-time constant)."""
+
+
+@overload(_code_of)
+def _code_of_impl(arr):
+    code = F64 if arr.dtype == types.float64 else F32
+    return lambda arr: code

@@ -4,49 +4,20 @@
 11 ms of a 40 ms float16 causal prefill at S=512; this: ~0.1 ns).
 """
 
-import functools
-
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from .._config import jit
+from .cpu import has_f16c  # noqa: F401  (the wrapper asks here: ``to_float16`` is for F16C)
+from .simd import _half_bits
+
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "206cf03fbfe693c9a2f5ebb3cefb6b5c2f412cd5d51ba6db3a2c4274f606bc6e"
 
 CHUNK = 1 << 16  # elements a work item
-
-
-@functools.cache
-def _target_features():
-    from numba.core.registry import cpu_target
-
-    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
-    return frozenset(features.split(","))
-
-
-def has_f16c():
-    """Whether numba compiles for a CPU with F16C (the only target
-    ``to_float16`` is for: elsewhere LLVM would call a runtime helper)."""
-    return "+f16c" in _target_features()
-
-
-def has_vbmi():
-    """Whether numba compiles for a CPU with AVX-512 VBMI: byte permutes
-    across a whole register (``vpermi2b``), a 128-entry byte table a
-    lookup (AMD Zen 4 on; Intel's Ice Lake and later server chips)."""
-    return {"+avx512f", "+avx512bw", "+avx512vbmi"} <= _target_features()
-
-
-@intrinsic
-def _half_bits(typingctx, x):
-    """The float16 bit pattern nearest ``x`` (float32)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(x), codegen
 
 
 @jit()

@@ -6,38 +6,15 @@ until it was done, 27 us when the caller spun), so a caller that expects its
 workers to finish soon spins first, with the CPU's pause hint, then sleeps.
 """
 
-import platform
-
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
-
 from .._config import jit
+from .simd import _load_acquire, _pause
 
-
-@intrinsic
-def _load_acquire(typingctx, flags, index):
-    """``flags[index]`` read with acquire ordering: never hoisted out of a loop,
-    and what the writer wrote before it is visible after it."""
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.load_atomic(builder.gep(ary.data, [args[1]]), "acquire", align=8)
-
-    return flags.dtype(flags, index), codegen
-
-
-@intrinsic
-def _pause(typingctx):
-    """The x86 ``pause`` hint of a spin loop (spares the sibling hyperthread);
-    nothing elsewhere."""
-    def codegen(context, builder, sig, args):
-        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-            pause = builder.module.declare_intrinsic("llvm.x86.sse2.pause",
-                                                     fnty=ir.FunctionType(ir.VoidType(), []))
-            builder.call(pause, [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "d69bb8bda77d6492b790bb7ee66aee768ff7e39e430c92759dbfe13d474a6ff6"
 
 
 @jit()

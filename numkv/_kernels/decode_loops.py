@@ -1,0 +1,287 @@
+"""Decode's fused loops, in LLVM IR: few query rows (``R`` = 1, 2 or 4)
+scored against four keys a pass (``_dots``), and a run of keys' values
+added to one or four rows' accumulators held in registers (``_axpy``).
+
+Both read K/V rows as they lie in the cache -- float32, or a narrow format of
+``widen.FORMATS`` widened vector by vector as it is loaded -- with the loop
+for each format chosen at run time (``_per_format``): one compiled kernel
+serves every format, and a narrow cache costs no compilation of its own.
+A new format read in place is its ``widen.FORMATS`` entry; the loops here
+take it from there.
+
+Bits: a dot product's sum runs in vector lanes over ``D``'s whole vectors,
+the lanes reduced by one fixed tree, then element by element over the rest;
+a value update adds one key after another to each element (a chain of
+FMAs).  Either way a result's bits depend on ``D`` and its own row and key
+only, never on which pass or neighbours took it (GQA equals MHA with K/V
+repeated; a masked key at a tile's end changes nothing).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .cpu import has_f16c
+from .layout import F32, F64
+from .simd import (_BYTES, VECTOR_BYTES, _broadcast, _emit_loop, _emit_prefetch, _fmuladd, _load, _masked_memory,
+                   _phis, _reduce_lanes)
+from .widen import FORMATS, IN_PLACE, _load_widened
+
+# Vectors of D a run of ``_axpy`` takes per row: four rows' 16 accumulators
+# fill half the registers; in float32, 64 elements (a block of ``_blocks``).
+AXPY_RUN_VECTORS = 4
+
+
+@intrinsic
+def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
+    """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
+    ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
+    ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
+    (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
+    last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
+    raw bytes holding elements of dtype ``code`` (``_per_format``), and
+    ``k_at`` counts those elements.
+
+    Written as LLVM IR so that the eight sums of a vector loop are reduced
+    together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
+    one reduction after another, which is what LLVM makes of scalar running
+    sums), and a row's four sums leave the reduced lanes as one store
+    (against 16 extractions and stores a pass, ~1/3 of the scores' time at
+    D = 64).  Each sum runs in vector lanes over ``D``'s whole vectors, the
+    lanes reduced by the same tree, then on from there one element at a
+    time over the rest: a dot product's bits depend on ``D`` only, not on
+    which pass or neighbours it had (a NaN's sign aside: float8_e4m3fn's
+    byte table keeps the sign of a NaN pattern, its bit arithmetic does
+    not)."""
+    if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
+            and isinstance(out_at, types.UniTuple) and k_at.count == 4 and q_at.count in (1, 2, 4)
+            and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype):
+        return None
+    return types.void(out, out_at, count, q, q_at, k, k_at, length, code), _emit_dots
+
+
+def _emit_dots(context, builder, sig, args):
+    out_ty, _, count_ty, q_ty, q_at_ty, k_ty, _, length_ty, _ = sig.args
+    out_arr = context.make_array(out_ty)(context, builder, args[0])
+    q_arr = context.make_array(q_ty)(context, builder, args[3])
+    k_arr = context.make_array(k_ty)(context, builder, args[5])
+    length = context.cast(builder, args[7], length_ty, types.int64)
+    q_rows = [builder.gep(q_arr.data, [builder.extract_value(args[4], r)]) for r in range(q_at_ty.count)]
+    real = context.get_value_type(q_ty.dtype)
+
+    def rows(elem, narrow):
+        keys = builder.bitcast(k_arr.data, elem.as_pointer())
+        k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(4)]
+        return _dot_sums(builder, q_rows, k_rows, length, real, narrow)
+
+    row_ty = ir.VectorType(real, 4)
+    i32 = ir.IntType(32)
+    count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
+    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]), _broadcast(builder, count, 4))
+    store = _masked_memory(builder, "store", row_ty)
+    for r, row in enumerate(_per_format(builder, args[8], real, rows)):
+        at = builder.gep(out_arr.data, [builder.extract_value(args[1], r)])
+        builder.call(store, [row, builder.bitcast(at, row_ty.as_pointer()), ir.Constant(i32, _BYTES[str(real)]), mask])
+    return context.get_dummy_value()
+
+
+def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
+    """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its four
+    keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``)."""
+    i64 = ir.IntType(64)
+    lanes = VECTOR_BYTES // _BYTES[str(real)]
+    vec = ir.VectorType(real, lanes)
+    whole = _whole_vectors(builder, length, lanes, narrow)
+
+    def step(width, ty):
+        fn = _fmuladd(builder, ty)
+
+        def body(at, accs):
+            qs = [_load(builder, row, at, width) for row in q_rows]
+            ks = [_load_widened(builder, row, at, width, narrow) for row in k_rows]
+            return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
+        return body
+
+    def block(at, accs):  # four vector steps, each sum's FMAs in the same order
+        fn, accs = _fmuladd(builder, vec), list(accs)
+        qs = [[_load(builder, row, builder.add(at, ir.Constant(i64, s)), lanes)
+               for s in range(0, fmt.block, lanes)] for row in q_rows]
+        for j, row in enumerate(k_rows):
+            ks = fmt.widen_block(builder, _load(builder, row, at, fmt.block))
+            for r, q_parts in enumerate(qs):
+                for qv, kv in zip(q_parts, ks):
+                    accs[4 * r + j] = builder.call(fn, [qv, kv, accs[4 * r + j]])
+        return accs
+
+    n_sums, i32 = 4 * len(q_rows), ir.IntType(32)
+    if isinstance(whole, ir.Constant):  # no vector loop
+        sums = _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
+        return _as_rows(builder, sums)
+    start, vectors = ir.Constant(i64, 0), [ir.Constant(vec, None)] * n_sums
+    if _blocks(narrow, real, len(q_rows)):
+        fmt = FORMATS[narrow]
+        blocks = builder.and_(length, ir.Constant(i64, -fmt.block))
+        start, vectors = blocks, _emit_loop(builder, start, blocks, fmt.block, vectors, block)
+    vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
+    reduced = [_reduce_lanes(builder, vectors[first:first + 8]) for first in range(0, n_sums, 8)]
+    # The rows straight from the reduced lanes (eight sums a vector: two
+    # rows); where D has a tail, one element at a time on from them.
+    whole_rows = [builder.shuffle_vector(reduced[r // 2], reduced[r // 2],
+                                         ir.Constant(ir.VectorType(i32, 4), [4 * (r % 2) + t for t in range(4)]))
+                  for r in range(len(q_rows))]
+    before = builder.block
+    tail, after = builder.append_basic_block("tail"), builder.append_basic_block("tail.after")
+    builder.cbranch(builder.icmp_signed("<", whole, length), tail, after)
+    builder.position_at_end(tail)
+    sums = [builder.extract_element(reduced[i // 8], ir.Constant(i32, i % 8)) for i in range(n_sums)]
+    tail_rows = _as_rows(builder, _emit_loop(builder, whole, length, 1, sums, step(1, real)))
+    tail_end = builder.block
+    builder.branch(after)
+    builder.position_at_end(after)
+    return _phis(builder, [(whole_rows, before), (tail_rows, tail_end)])
+
+
+def _as_rows(builder, sums):
+    """IR: sums ``4 r + j`` as one ``<4 x real>`` a row ``r``."""
+    row = ir.Constant(ir.VectorType(sums[0].type, 4), None)
+    rows = []
+    for first in range(0, len(sums), 4):
+        vector = row
+        for j in range(4):
+            vector = builder.insert_element(vector, sums[first + j], ir.Constant(ir.IntType(32), j))
+        rows.append(vector)
+    return rows
+
+
+@intrinsic
+def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code):
+    """``acc[acc_at[r] + d] += p[p_at[r] + j] * v_j[d]`` for keys ``j <
+    keys`` and ``d < length``, the keys added one after another to each
+    element (a chain of FMAs, in key order); ``v_j`` is the row at element
+    ``v_at + j * ld`` of the raw bytes ``v``, of dtype ``code``
+    (``_per_format``).  ``R`` rows (1 or 4, ``acc_at`` and ``p_at``): each
+    loaded V vector feeds them all.  ``ahead`` (elements): each vector
+    loaded asks for the one that far on (``_prefetch``; 0: itself, at hand
+    already -- a branch around the request made LLVM compile every loop
+    twice, and measured no faster).
+
+    LLVM IR.  ``D`` is taken in runs of ``AXPY_RUN_VECTORS`` vectors, then
+    of one, then of one element; in each run the rows' accumulators are loaded once, take
+    every key's FMAs in registers, and are stored once (``AXPY_KEYS``).
+    Each element takes the same chain whichever run holds it.  One compiled
+    loop per format, chosen at run time, in every kernel: a narrow cache
+    costs no compilation of its own."""
+    if not (isinstance(acc_at, types.UniTuple) and isinstance(p_at, types.UniTuple)
+            and acc_at.count in (1, 4) and p_at.count == acc_at.count and v.dtype == types.uint8
+            and p.dtype == acc.dtype):
+        return None
+    return types.void(acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code), _emit_axpy
+
+
+def _emit_axpy(context, builder, sig, args):
+    acc_ty, acc_at_ty, p_ty, _, v_ty = sig.args[:5]
+    acc_arr = context.make_array(acc_ty)(context, builder, args[0])
+    p_arr = context.make_array(p_ty)(context, builder, args[2])
+    v_arr = context.make_array(v_ty)(context, builder, args[4])
+    v_at, ld, ahead, keys, length = (context.cast(builder, args[i], sig.args[i], types.int64) for i in range(5, 10))
+    real = context.get_value_type(acc_ty.dtype)
+    n_rows = acc_at_ty.count
+    acc_rows = [builder.gep(acc_arr.data, [builder.extract_value(args[1], r)]) for r in range(n_rows)]
+    p_rows = [builder.gep(p_arr.data, [builder.extract_value(args[3], r)]) for r in range(n_rows)]
+    lanes, align = VECTOR_BYTES // _BYTES[str(real)], _BYTES[str(real)]
+    i64 = ir.IntType(64)
+
+    def loops(elem, narrow):
+        first = builder.gep(builder.bitcast(v_arr.data, elem.as_pointer()), [v_at])
+
+        def run(width, parts, block):  # the keys over ``parts`` runs of ``width`` elements from ``d0``
+            ty = ir.VectorType(real, width) if width > 1 else real
+            fma = _fmuladd(builder, ty)
+
+            def body(d0, _):
+                ptrs = [builder.bitcast(builder.gep(row, [builder.add(d0, ir.Constant(i64, c * width))]),
+                                        ty.as_pointer()) for row in acc_rows for c in range(parts)]
+
+                def key(j, accs):
+                    row = builder.gep(first, [builder.add(builder.mul(j, ld), d0)])
+                    if width > 1:
+                        for c in range(parts):
+                            at = builder.add(ahead, ir.Constant(i64, c * width))
+                            _emit_prefetch(builder, builder.gep(row, [at]))
+                    if block:  # parts * width elements, one block of ``narrow``
+                        fmt = FORMATS[narrow]
+                        vs = fmt.widen_block(builder, _load(builder, row, ir.Constant(i64, 0), fmt.block))
+                    else:
+                        vs = [_load_widened(builder, row, ir.Constant(i64, c * width), width, narrow) for c in range(parts)]
+                    ws = [builder.load(builder.gep(p_row, [j])) for p_row in p_rows]
+                    if width > 1:
+                        ws = [_broadcast(builder, w, width) for w in ws]
+                    return [builder.call(fma, [ws[r], vs[c], accs[r * parts + c]])
+                            for r in range(n_rows) for c in range(parts)]
+
+                accs = [builder.load(ptr, align=align) for ptr in ptrs]
+                accs = _emit_loop(builder, ir.Constant(i64, 0), keys, 1, accs, key)
+                for ptr, a in zip(ptrs, accs):
+                    builder.store(a, ptr, align=align)
+                return []
+            return body
+
+        whole, start = _whole_vectors(builder, length, lanes, narrow), ir.Constant(i64, 0)
+        if not isinstance(whole, ir.Constant):
+            start = builder.and_(length, ir.Constant(i64, -AXPY_RUN_VECTORS * lanes))
+            blocks = _blocks(narrow, real, n_rows)
+            _emit_loop(builder, ir.Constant(i64, 0), start, AXPY_RUN_VECTORS * lanes, [],
+                       run(lanes, AXPY_RUN_VECTORS, blocks))
+            _emit_loop(builder, start, whole, lanes, [], run(lanes, 1, False))
+        _emit_loop(builder, whole, length, 1, [], run(1, 1, False))
+        return []
+
+    _per_format(builder, args[10], real, loops)
+    return context.get_dummy_value()
+
+
+def _per_format(builder, code, real, emit):
+    """IR: ``emit(element type, narrow format)`` for the K/V dtype ``code``
+    (a run-time value), the results of each merged.  ``real`` float: float32
+    rows, or ``IN_PLACE`` ones (read as they are: ``_widen_ir``); double:
+    float64 rows only (the kernel hands narrow rows to float64 loops
+    widened, in tiles)."""
+    formats = [(F32, ir.FloatType(), None)]
+    formats += [(code, ir.IntType(bits), narrow) for code, (narrow, bits) in IN_PLACE.items()]
+    if real == ir.DoubleType():
+        formats = [(F64, real, None)]
+    after = builder.append_basic_block("format.after")
+    blocks = [builder.append_basic_block(f"format.{narrow or real}") for _, _, narrow in formats]
+    switch = builder.switch(code, blocks[0])  # any other code: the first
+    for (value, _, _), block in zip(formats[1:], blocks[1:]):
+        switch.add_case(ir.Constant(code.type, value), block)
+    results = []
+    for (_, elem, narrow), block in zip(formats, blocks):
+        builder.position_at_end(block)
+        results.append((emit(elem, narrow), builder.block))
+        builder.branch(after)
+    builder.position_at_end(after)
+    return _phis(builder, results)
+
+
+def _whole_vectors(builder, length, lanes, narrow):
+    """IR: the elements of ``length`` that vector loops take (whole vectors;
+    none for the formats that widen by F16C where the CPU lacks it: those go
+    one at a time)."""
+    if narrow is not None and FORMATS[narrow].needs_f16c and not has_f16c():
+        return ir.Constant(ir.IntType(64), 0)
+    return builder.and_(length, ir.Constant(ir.IntType(64), -lanes))
+
+
+def _blocks(narrow, real, rows):
+    """Whether the loops over ``narrow`` rows into ``real`` take whole
+    blocks (``Format.widen_block``; float8_e4m3fn: 64 elements by a byte
+    table, where the CPU has AVX-512 VBMI): float32 rows, in the passes of
+    four query rows only, the ones decode spends its time in (each loop of
+    blocks costs ~0.1-0.2 s of a cold call's compilation).  A block is one
+    run of ``_axpy`` (``AXPY_RUN_VECTORS`` vectors)."""
+    fmt = FORMATS.get(narrow)
+    if fmt is None or not fmt.block or real != ir.FloatType() or rows != 4:
+        return False
+    assert fmt.block == AXPY_RUN_VECTORS * VECTOR_BYTES // _BYTES[str(real)], narrow
+    return fmt.block_cpu()

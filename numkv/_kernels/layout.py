@@ -1,0 +1,56 @@
+"""The contract between the attention wrapper (``numkv._attention.run``) and
+the kernels: which slot of ``ints``, row of ``desc`` and column of ``floats``
+holds what, the dtype codes, and the table of narrow-float parameters.
+
+The wrapper fills these by name; the kernels read them by index.  They are
+defined once, here, and imported by both sides (``numkv._kernels.attention``
+re-exports them).  Plain Python: no numba, nothing compiled.
+"""
+
+import numpy as np
+
+# -- ints[]: shapes, masking rules, the plan ---------------------------------------
+INT_FIELDS = (
+    "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
+    "causal", "left", "right", "has_mask",
+    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows", "gemm_limit",
+    "gemm_fn",
+)
+(BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
+ CAUSAL, LEFT, RIGHT, HAS_MASK,
+ BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT,
+ GEMM_FN) = range(len(INT_FIELDS))
+
+# -- desc[]: a row per tensor, its base offset, (b, h, s, d) strides in elements, dtype code
+TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
+T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
+TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
+BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
+
+# -- floats[] ------------------------------------------------------------------------
+FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")
+Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
+
+# -- dtype codes (``numkv._dtypes.kernel_dtype_codes`` maps NumPy dtypes to them) ----
+DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
+               "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+(F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
+
+# -- FORMAT_TABLE: the float8s widened by one parametrised loop -------------------
+# The fnuz float8s (no infinities, one NaN pattern 0x80, no -0.0) as
+# ``FORMAT_FIELDS``: a value's magnitude bits ``em`` shifted to float32's
+# exponent/mantissa position, times 2**(127 - bias), is the value --
+# subnormals included (a float32 subnormal times a power of two is exact);
+# ``NONE`` marks a rule a format lacks.  (float16, float8_e4m3fn and
+# float8_e5m2 have loops of their own, ``widen.FORMATS``: no row here.)
+FORMAT_FIELDS = ("shift", "scale_exponent", "infnan_em", "nan_em", "nan_bits")
+SHIFT, SCALE_EXPONENT, INFNAN_EM, NAN_EM, NAN_BITS = range(len(FORMAT_FIELDS))
+NONE = 0xFFFFFFFF
+FORMAT_ROWS = {
+    E4M3FNUZ: (20, 119, NONE, NONE, 0x80),
+    E5M2FNUZ: (21, 111, NONE, NONE, 0x80),
+}
+FORMAT_TABLE = np.zeros((len(DTYPE_CODES), len(FORMAT_FIELDS)), np.int64)
+for _code, _row in FORMAT_ROWS.items():
+    FORMAT_TABLE[_code] = _row
+del _code, _row

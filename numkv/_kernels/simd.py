@@ -1,0 +1,374 @@
+"""The kernels' LLVM IR toolkit: intrinsics the jitted code calls, and the IR
+builders the vector loops (``decode_loops``, ``widen``) are made of.
+
+Why IR at all: numba's own arithmetic on small integers widens them to 64
+bits, its reductions keep a scalar running sum scalar, and ``buf.view`` is a
+function of its own per call site; written as IR, the loops vectorise as
+written, reduce in a fixed order (bits that do not depend on the tile), and
+compile in a fraction of the time (numbers beside each).
+
+Two kinds of names:
+
+* intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``,
+  ``_maximum``, ``_prefetch``, ``_view``, ``_claim``, ``_row_sum``,
+  ``_half_bits``, ``_load_acquire``, ``_pause``;
+* IR builders, called by other generators with an ``llvmlite`` ``builder``:
+  ``_broadcast``, ``_splat``, ``_as_i32``, ``_emit_loop``, ``_phis``,
+  ``_reduce_lanes``, ``_load``, ``_fmuladd``, ``_emit_prefetch``,
+  ``_masked_memory``.
+
+Nothing here knows a K/V format (``widen``) or the attention algorithm.
+"""
+
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .._config import jit
+
+# Bytes a vector of the loops holds: one AVX-512 register (two AVX2 ones).
+VECTOR_BYTES = 64
+
+# How many keys ahead the loops prefetch key and value rows (~8 KiB of float32
+# rows at D = 128: far enough to hide the memory latency; see ``_prefetch``).
+# A constant: numba freezes it into the compiled kernel.
+PREFETCH_KEYS = 16
+
+# Bytes an element of an IR type holds, by the type's name (``str(type)``).
+_BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
+
+
+# -- scalars ---------------------------------------------------------------------------
+
+
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer ``bits`` (a
+    bit cast, no conversion; numba widens integer arithmetic to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, context.get_value_type(types.float32))
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _half_bits(typingctx, x):
+    """The float16 bit pattern nearest ``x`` (float32), round to nearest
+    even: F16C's ``vcvtps2ph`` where the CPU has it."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def _maximum(typingctx, a, b):
+    """``llvm.maximum``: the larger of two floats, NaN if either is NaN.  A
+    running maximum of it vectorises (a compare-and-select one stays scalar),
+    and a NaN among the values shows in the result."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        t = args[0].type
+        return builder.call(builder.module.declare_intrinsic("llvm.maximum", [t], ir.FunctionType(t, [t, t])),
+                            args)
+
+    return a(a, b), codegen
+
+
+def _as_i32(builder, value, ty):
+    """IR: the integer ``value`` of numba type ``ty`` as 32 bits (zero-extended
+    or truncated)."""
+    i32 = ir.IntType(32)
+    if ty.bitwidth < 32:
+        return builder.zext(value, i32)
+    return builder.trunc(value, i32) if ty.bitwidth > 32 else value
+
+
+# -- memory: views, prefetches, atomics ------------------------------------------------
+
+
+@intrinsic
+def _view(typingctx, buf, dtype):
+    """The bytes of the 1-D contiguous array ``buf`` as a 1-D array of
+    ``dtype`` (a NumPy scalar type, or an array whose dtype to take): as
+    ``buf.view(dtype)``, which numba compiles as a function of its own per
+    call site and dtype (~0.15 s each, ~1 s of a cold float32 call in
+    all); this is a few instructions inline."""
+    if not (isinstance(buf, types.Array) and buf.ndim == 1 and buf.layout == "C"):
+        return None
+    elem = dtype.dtype if isinstance(dtype, types.Array) else getattr(dtype, "instance_type", None)
+    if not isinstance(elem, types.Number):
+        return None
+    view = types.Array(elem, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        from numba.core.imputils import impl_ret_borrowed
+        from numba.np.arrayobj import populate_array
+
+        src = context.make_array(buf)(context, builder, args[0])
+        out = context.make_array(view)(context, builder)
+        intp = context.get_value_type(types.intp)
+        src_size, size = (context.get_abi_sizeof(context.get_data_type(t)) for t in (buf.dtype, elem))
+        count = builder.udiv(builder.mul(cgutils.unpack_tuple(builder, src.shape)[0], ir.Constant(intp, src_size)),
+                             ir.Constant(intp, size))
+        populate_array(out, data=builder.bitcast(src.data, context.get_data_type(elem).as_pointer()),
+                       shape=[count], strides=[ir.Constant(intp, size)], itemsize=ir.Constant(intp, size),
+                       meminfo=src.meminfo, parent=src.parent)
+        return impl_ret_borrowed(context, builder, view, out._getvalue())
+
+    return view(buf, dtype), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, flat, index):
+    """Ask the CPU to start loading ``flat[index]``'s cache line into L2 (a
+    hint: it never faults, wherever ``index`` points).  L2, not L1
+    (``prefetcht1``, locality 2): L1 has few slots for lines in flight, L2
+    many more (2 cores, decode Skv=16384 float32: 4.3-5.6 ms against 7.8-9.3
+    ms into L1; B=8 Skv=2048 4.7-6.0 against 8.2-9.9; ``PREFETCH_KEYS``
+    8 / 16 / 24 / 32 / 64 ahead: 16 best or level)."""
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        _emit_prefetch(builder, builder.gep(ary.data, [args[1]]))
+        return context.get_dummy_value()
+
+    return types.void(flat, index), codegen
+
+
+def _emit_prefetch(builder, ptr):
+    """IR of ``_prefetch``: the cache line at ``ptr`` into L2."""
+    ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+    i32 = ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
+                                          ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+
+
+@jit(inline=True)
+def _prefetch_ahead(flat, start, count, size):
+    """``_prefetch`` the ``count`` elements of ``size`` bytes from element
+    ``start`` of the raw bytes ``flat``, 16 elements (a float32 cache line)
+    at a time: the key rows ``PREFETCH_KEYS`` on (a narrow cache's lines get
+    several: one a 64-byte line measured slower, float8_e4m3fn decode
+    Skv=16384 3.4-3.6 ms against 3.2)."""
+    for line in range(0, count, 16):
+        _prefetch(flat, (start + np.uint64(line)) * np.uint64(size))
+
+
+@intrinsic
+def _claim(typingctx, counter):
+    """``counter[0]``, atomically incremented: the next item for whichever
+    thread asks first."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen
+
+
+@intrinsic
+def _load_acquire(typingctx, flags, index):
+    """``flags[index]`` read with acquire ordering: never hoisted out of a loop,
+    and what the writer wrote before it is visible after it."""
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(ary.data, [args[1]]), "acquire", align=8)
+
+    return flags.dtype(flags, index), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """The x86 ``pause`` hint of a spin loop (spares the sibling hyperthread);
+    nothing elsewhere."""
+    def codegen(context, builder, sig, args):
+        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+            pause = builder.module.declare_intrinsic("llvm.x86.sse2.pause",
+                                                     fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(pause, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+# -- vectors ----------------------------------------------------------------------------
+
+
+def _broadcast(builder, value, lanes):
+    """IR: a vector of ``lanes`` copies of the run-time scalar ``value``."""
+    ty = ir.VectorType(value.type, lanes)
+    one = builder.insert_element(ir.Constant(ty, None), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+def _splat(ty, value):
+    """A constant of ``ty`` (a scalar or vector type) with every lane ``value``."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def _load(builder, row, at, width):
+    """IR: ``width`` elements (a vector, or a scalar for 1) from ``row[at]``."""
+    elem = row.type.pointee
+    ty = ir.VectorType(elem, width) if width > 1 else elem
+    return builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
+
+
+def _masked_memory(builder, op, ty):
+    """``llvm.masked.load`` or ``llvm.masked.store`` (``op``) of the float or
+    double vector type ``ty``: ``load(ptr, align, mask, passthru)``,
+    ``store(value, ptr, align, mask)``."""
+    i32 = ir.IntType(32)
+    mask = ir.VectorType(ir.IntType(1), ty.count)
+    if op == "load":
+        fnty = ir.FunctionType(ty, [ty.as_pointer(), i32, mask, ty])
+    else:
+        fnty = ir.FunctionType(ir.VoidType(), [ty, ty.as_pointer(), i32, mask])
+    scalar = "f32" if ty.element == ir.FloatType() else "f64"
+    return cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.{op}.v{ty.count}{scalar}.p0")
+
+
+def _fmuladd(builder, ty):
+    """``llvm.fmuladd`` for ``ty`` (a float or double scalar or vector): an FMA."""
+    scalar = ty.element if isinstance(ty, ir.VectorType) else ty
+    name = (f"llvm.fmuladd.{'v%d' % ty.count if isinstance(ty, ir.VectorType) else ''}"
+            f"{'f32' if scalar == ir.FloatType() else 'f64'}")
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+
+
+def _reduce_lanes(builder, vectors):
+    """IR: eight vectors -> one vector of their eight lane sums, in order.
+    Pairs of vectors are merged keeping each one's lower and upper halves
+    (``lo + hi``), until one vector holds every sum in blocks; then each
+    block is halved in place.  Every sum gets the same tree: lane ``t`` plus
+    lane ``t + w/2`` at each width ``w``."""
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, picks):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(picks)), picks))
+
+    lanes = vectors[0].type.count
+    width = lanes  # lanes per sum
+    while len(vectors) > 1:
+        half, merged = width // 2, []
+        for a, b in zip(vectors[0::2], vectors[1::2]):
+            blocks = [(0, k * width) for k in range(lanes // width)] + [(lanes, k * width) for k in range(lanes // width)]
+            lo = shuffle(a, b, [src + at + t for src, at in blocks for t in range(half)])
+            hi = shuffle(a, b, [src + at + half + t for src, at in blocks for t in range(half)])
+            merged.append(builder.fadd(lo, hi))
+        vectors, width = merged, half
+    vector = vectors[0]
+    while width > 1:
+        half, count = width // 2, vector.type.count
+        lo = shuffle(vector, vector, [at + t for at in range(0, count, width) for t in range(half)])
+        hi = shuffle(vector, vector, [at + half + t for at in range(0, count, width) for t in range(half)])
+        vector, width = builder.fadd(lo, hi), half
+    return vector
+
+
+@intrinsic
+def _row_sum(typingctx, flat, at, n):
+    """``sum(flat[at:at + n])`` in eight lanes added in a fixed order (lane
+    ``t`` sums the entries ``j = t mod 8`` one after another; then ``((l0 +
+    l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``): the bits do not depend on
+    ``n`` when the extra entries are zeros (a masked key at the end of a tile
+    changes nothing), and a chain of float adds does not run at a quarter
+    of their rate.  LLVM IR, eight lanes a vector add (LLVM kept eight
+    scalar sums scalar: 0.17 ns an entry)."""
+    if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"
+            and isinstance(flat.dtype, types.Float) and isinstance(at, types.Integer) and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        real = context.get_value_type(sig.args[0].dtype)
+        i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, 8)
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        at, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:]))
+        row = builder.gep(ary.data, [at])
+
+        def add(j, lanes):
+            ptr = builder.bitcast(builder.gep(row, [j]), vec.as_pointer())
+            return [builder.fadd(lanes[0], builder.load(ptr, align=_BYTES[str(real)]))]
+
+        whole = builder.and_(n, ir.Constant(i64, -8))
+        lanes = _emit_loop(builder, ir.Constant(i64, 0), whole, 8, [_splat(vec, 0.0)], add)[0]
+        # The tail's entries to the lanes they would have had in a longer row (+0.0 to the others).
+        tail = builder.trunc(builder.sub(n, whole), i32)
+        lane_index = ir.Constant(ir.VectorType(i32, 8), list(range(8)))
+        mask = builder.icmp_unsigned("<", lane_index, _broadcast(builder, tail, 8))
+        load = _masked_memory(builder, "load", vec)
+        ptr = builder.bitcast(builder.gep(row, [whole]), vec.as_pointer())
+        tail_lanes = builder.call(load, [ptr, ir.Constant(i32, _BYTES[str(real)]), mask, _splat(vec, 0.0)])
+        lanes = builder.fadd(lanes, tail_lanes)
+        lane = [builder.extract_element(lanes, ir.Constant(i32, t)) for t in range(8)]
+        pairs = [builder.fadd(lane[t], lane[t + 1]) for t in range(0, 8, 2)]
+        return builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+
+    return flat.dtype(flat, at, n), codegen
+
+
+# -- control flow ---------------------------------------------------------------------
+
+
+def _emit_loop(builder, start, stop, stride, init, body):
+    """IR of ``for at in range(start, stop, stride): values = body(at, values)``;
+    returns the values after it (``init`` if it never runs)."""
+    i64 = ir.IntType(64)
+    before = builder.block
+    loop = builder.append_basic_block("loop")
+    after = builder.append_basic_block("loop.after")
+    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
+    builder.position_at_end(loop)
+    at = builder.phi(i64)
+    values = [builder.phi(v.type) for v in init]
+    new = body(at, values)
+    end = builder.block  # the body's last block (it may hold loops of its own)
+    following = builder.add(at, ir.Constant(i64, stride))
+    at.add_incoming(start, before)
+    at.add_incoming(following, end)
+    for phi, first, updated in zip(values, init, new):
+        phi.add_incoming(first, before)
+        phi.add_incoming(updated, end)
+    backedge = builder.cbranch(builder.icmp_signed("<", following, stop), loop, after)
+    backedge.set_metadata("llvm.loop", _as_written(builder.module))
+    builder.position_at_end(after)
+    return _phis(builder, [(init, before), (new, end)])
+
+
+def _phis(builder, incoming):
+    """IR: one phi a value, merging ``incoming``, ``(values, block)`` pairs
+    (each block's values in the same order)."""
+    merged = []
+    for i, first in enumerate(incoming[0][0]):
+        phi = builder.phi(first.type)
+        for values, block in incoming:
+            phi.add_incoming(values[i], block)
+        merged.append(phi)
+    return merged
+
+
+def _as_written(module):
+    """Loop metadata: LLVM is to neither vectorise nor unroll the loop (its
+    vector loops are written so; its scalar ones run a few times)."""
+    props = [module.add_metadata([ir.MetaDataString(module, name), ir.Constant(ir.IntType(1), 0)])
+             for name in ("llvm.loop.vectorize.enable",)] + [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])]
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))  # a node of its own
+    loop_id.operands = (loop_id, *props)
+    return loop_id

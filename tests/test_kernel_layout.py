@@ -1,0 +1,144 @@
+"""The kernel folder's layout, read from the source (AST): its layers, an
+algorithm module free of IR, and the digests that keep numba's disk cache
+honest.
+
+numba's disk cache notices edits to a kernel's own file only (the index is
+stamped with that file's modification time and size), yet a kernel compiles
+into itself the helpers it calls from other files -- intrinsics' IR,
+inlined functions, callees.  So each kernel module that does holds
+``HELPERS_SHA256``, the digest of the sources of every ``numkv`` module it
+imports (and theirs); when a helper changes, the test below fails and prints
+the new value, and setting it changes the kernel's own file, so numba
+recompiles instead of loading stale machine code.
+"""
+
+import ast
+import hashlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "numkv" / "_kernels"
+
+# Bottom to top: a module imports only modules of lower layers (and none of
+# its own layer, so no cycle either).
+KERNEL_LAYERS = [
+    ["layout", "cpu", "compiler"],
+    ["simd"],
+    ["gemm", "widen"],
+    ["decode_loops"],
+    ["attention", "narrow", "spin_wait", "scatter", "read_bandwidth"],
+]
+
+
+def _path(module):
+    path = ROOT.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def numkv_imports(module):
+    """The ``numkv`` modules ``module`` imports, at any depth, relative
+    imports resolved (``from . import x`` imports the submodule ``x``)."""
+    path = _path(module)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if _path(sub).exists() else base)
+    return {name for name in found if name == "numkv" or name.startswith("numkv.")} - {module}
+
+
+def helpers(module):
+    """Every ``numkv`` module ``module`` imports, and theirs (not itself)."""
+    seen, todo = set(), [module]
+    while todo:
+        for other in numkv_imports(todo.pop()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return sorted(seen - {module})
+
+
+def helpers_sha256(module):
+    """sha256 of the helpers' names and sources (line endings as ``\\n``)."""
+    digest = hashlib.sha256()
+    for name in helpers(module):
+        digest.update(name.encode() + b"\0" + _path(name).read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return digest.hexdigest()
+
+
+def _compiles_kernels(tree):
+    """Whether a module defines a jitted function that is compiled, and
+    cached, on its own: ``@jit(...)`` without ``inline=True`` (an inlined
+    helper compiles into its callers)."""
+    for node in ast.walk(tree):
+        for deco in getattr(node, "decorator_list", ()):
+            if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "jit":
+                if not any(k.arg == "inline" and getattr(k.value, "value", False) for k in deco.keywords):
+                    return True
+    return False
+
+
+def _constant(tree, name):
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+KERNEL_MODULES = sorted(f"numkv._kernels.{p.stem}" for p in KERNELS.glob("*.py") if p.stem != "__init__")
+# The modules whose cached kernels compile helpers from other files of the folder.
+GUARDED = [m for m in KERNEL_MODULES
+           if _compiles_kernels(ast.parse(_path(m).read_text()))
+           and any(h.startswith("numkv._kernels.") for h in numkv_imports(m))]
+
+
+def test_the_guarded_modules_are_the_expected_ones():
+    # A new module whose kernels inline helpers joins GUARDED by itself;
+    # this pins the list so that losing one (a parsing slip) shows.
+    assert {"numkv._kernels.attention", "numkv._kernels.widen", "numkv._kernels.narrow",
+            "numkv._kernels.spin_wait"} <= set(GUARDED)
+
+
+@pytest.mark.parametrize("module", GUARDED, ids=lambda m: m.rpartition(".")[2])
+def test_a_kernel_module_holds_the_digest_of_its_helpers(module):
+    want = helpers_sha256(module)
+    got = _constant(ast.parse(_path(module).read_text()), "HELPERS_SHA256")
+    assert got == want, (
+        f"a helper of {module} changed ({', '.join(helpers(module))}): numba's disk cache would load "
+        f"stale kernels.  Set, in {_path(module).relative_to(ROOT)}:\nHELPERS_SHA256 = \"{want}\"")
+
+
+def test_kernel_modules_import_only_lower_layers():
+    rank = {f"numkv._kernels.{name}": i for i, names in enumerate(KERNEL_LAYERS) for name in names}
+    missing = [m for m in KERNEL_MODULES if m not in rank]
+    assert not missing, f"add {missing} to KERNEL_LAYERS"
+    upward = [f"{m} imports {o}" for m in KERNEL_MODULES for o in numkv_imports(m)
+              if o in rank and rank[o] >= rank[m]]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_algorithm_module_holds_no_ir_and_reads_top_down():
+    """``attention.py`` is the algorithm: no IR builder calls (those live in
+    simd, widen, decode_loops, gemm), short enough to read, and the entry
+    point first."""
+    source = (KERNELS / "attention.py").read_text()
+    tree = ast.parse(source)
+    ir_calls = [f"line {node.lineno}" for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in ("builder", "ir", "cgutils")]
+    assert not ir_calls, f"IR in attention.py: {ir_calls}"
+    assert "llvmlite" not in {m for m in numkv_imports("numkv._kernels.attention")}
+    assert not any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("llvmlite") for n in ast.walk(tree))
+    assert len(source.splitlines()) <= 900
+    functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert functions[0] == "attention_items", functions[:3]
