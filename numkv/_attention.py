@@ -19,6 +19,9 @@ from . import _config
 from ._runtime import blas, pool
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
+from ._kernels.layout import Q8_0, QUANT_FORMATS  # (plain Python: numba loads with the kernels)
+from ._quantize import (QuantizedArray, check_attention_operand, check_same_scales, folded_query, kernel_array,
+                        kind, output_scale)
 from ._validate import as_array, as_float, as_int, as_int64, index_vector
 
 if TYPE_CHECKING:  # only for the annotations: numpy.typing is not imported at run time
@@ -352,11 +355,15 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     inputs, desc, bases = [], [], []
-    for arr in (call.q, call.past_k, call.k, call.past_v, call.v):
-        flat, base, strides = byte_operand(arr)
+    # A QuantizedArray is read as its storage's bytes (``layout.QUANT_FORMATS``);
+    # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
+    q = folded_query(call.q, call.k, call.acc_dtype)
+    for arr in (q, call.past_k, call.k, call.past_v, call.v):
+        flat, base, strides = byte_operand(kernel_array(arr))
         inputs.append(flat)
         bases.append(base)
-        desc += (base, *strides, codes[arr.dtype])
+        desc += (base, *strides,
+                 codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format))
     size = call.acc_dtype.itemsize
     if call.mask is None:
         inputs.append(_NO_MASK[size])
@@ -374,7 +381,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         small=small, claimed=CLAIM_ITEMS and not small,
-        merge_small=small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS)
+        merge_small=small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS,
+        y_scale=output_scale(call.v, hq, call.acc_dtype))
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
         _keep(key, plan)
@@ -401,6 +409,7 @@ class _Plan:
     small: bool
     claimed: bool
     merge_small: bool
+    y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
 
     def run_qkv(self, Q, K, V):
         """Y for the aligned, C-contiguous Q, K and V of a call with no past
@@ -433,6 +442,8 @@ class _Plan:
         if self.n_chunks > 1:  # merge the chunks' partial softmaxes
             pool.run(kernels.attention_merge, self.n_items,
                          (flat_y, self.ints, self.desc, part_m, part_l, part_acc), self.merge_small)
+        if self.y_scale is not None:  # y_d = s_d sum_j p_j c_jd / l (a QuantizedArray V: Y is 4-D)
+            y *= self.y_scale
         return _finish(y, self.out_dtype)
 
 
@@ -525,7 +536,7 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
         raise ValueError(f"K has kv_sequence_length {skv} but V has {v.shape[2]}")
     dv = v.shape[3]
 
-    past_k, past_v = _past(past_key, past_value, K.dtype, V.dtype, (b, hkv, d, dv))
+    past_k, past_v = _past(past_key, past_value, K, V, (b, hkv, d, dv))
     past_len = past_k.shape[2]
     total = past_len + skv
 
@@ -596,6 +607,8 @@ _F32_TINY = float(np.finfo(np.float32).smallest_subnormal) / 2 * (1 + 2 ** -52)
 def _float_input(x, name):
     if x is None:
         raise TypeError(f"{name} is required")
+    if type(x) is QuantizedArray:  # K or V: codes and scales, read in the kernel
+        return check_attention_operand(x, name)
     x = as_array(x, name)
     if not x.dtype.isnative:  # read in place, never copied: say how to make it native
         raise TypeError(
@@ -633,17 +646,20 @@ def _heads_views(Q, K, V, q_num_heads, kv_num_heads):
     return views
 
 
-def _past(past_key, past_value, k_dtype, v_dtype, dims):
+def _past(past_key, past_value, K, V, dims):
     b, hkv, d, dv = dims
     if (past_key is None) != (past_value is None):
         raise ValueError("past_key and past_value must be given together")
-    if past_key is None:
-        return _no_past(b, hkv, d, k_dtype), _no_past(b, hkv, dv, v_dtype)
-    past_k = as_array(past_key, "past_key")
-    past_v = as_array(past_value, "past_value")
-    for arr, name, dtype, size in ((past_k, "past_key", k_dtype, d), (past_v, "past_value", v_dtype, dv)):
-        if arr.dtype != dtype:
-            raise TypeError(f"{name} has dtype {arr.dtype}, expected {dtype} (no implicit casting)")
+    if past_key is None:  # (a QuantizedArray's empty past: float32, never read)
+        return (_no_past(b, hkv, d, _FLOAT32 if type(K) is QuantizedArray else K.dtype),
+                _no_past(b, hkv, dv, _FLOAT32 if type(V) is QuantizedArray else V.dtype))
+    past_k, past_v = _past_input(past_key, "past_key"), _past_input(past_value, "past_value")
+    for arr, name, new, new_name, size in ((past_k, "past_key", K, "K", d), (past_v, "past_value", V, "V", dv)):
+        if (type(arr) is QuantizedArray) != (type(new) is QuantizedArray) or kind(arr) != kind(new):
+            what = "format" if type(new) is QuantizedArray else "dtype"
+            raise TypeError(f"{name} has {'format' if type(arr) is QuantizedArray else 'dtype'} {kind(arr)}, "
+                            f"expected {new_name}'s {what} {kind(new)} (no implicit casting)")
+        check_same_scales(arr, new, name, new_name)
         if arr.ndim != 4 or arr.shape[0] != b or arr.shape[1] != hkv or arr.shape[3] != size:
             raise ValueError(
                 f"{name} must have shape ({b}, {hkv}, past_sequence_length, {size}), got {arr.shape}")
@@ -651,6 +667,10 @@ def _past(past_key, past_value, k_dtype, v_dtype, dims):
         raise ValueError(
             f"past_key has length {past_k.shape[2]} but past_value has {past_v.shape[2]}")
     return past_k, past_v
+
+
+def _past_input(x, name):
+    return check_attention_operand(x, name) if type(x) is QuantizedArray else as_array(x, name)
 
 
 @functools.lru_cache(maxsize=256)

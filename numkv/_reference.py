@@ -8,6 +8,8 @@ index map here too (a reshape, not a repeat).
 
 import numpy as np
 
+from ._quantize import dequantized
+
 
 def attention_reference(call):
     """``(Y, scores, scores_with_bias, probabilities)``.
@@ -23,8 +25,8 @@ def attention_reference(call):
     group = hq // hkv
     total = call.total
     q = call.q.astype(acc).reshape(b, hkv, group, sq, d)
-    k = np.concatenate([call.past_k.astype(acc), call.k.astype(acc)], axis=2)
-    v = np.concatenate([call.past_v.astype(acc), call.v.astype(acc)], axis=2)
+    k = np.concatenate([dequantized(call.past_k, acc), dequantized(call.k, acc)], axis=2)
+    v = np.concatenate([dequantized(call.past_v, acc), dequantized(call.v, acc)], axis=2)
 
     scores = np.einsum("bhgsd,bhtd->bhgst", q, k).reshape(b, hq, sq, total) * acc.type(call.scale)
     if call.softcap > 0:

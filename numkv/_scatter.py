@@ -11,6 +11,7 @@ import numpy as np
 from . import _config
 from ._runtime import pool
 from ._dtypes import ALIGNED_UNITS, flat_units, is_object_dtype, is_scatter_dtype, unit_size
+from ._quantize import QuantizedArray, scatter_operands
 from ._validate import as_array, as_int, as_output, index_vector, normalize_axis, output_array
 
 MODES = ("linear", "circular")
@@ -40,7 +41,10 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
 
     Parameters
     ----------
-    past_cache : ndarray, shape ``(batch, D1, ..., max_sequence_length, ..., Dn)``
+    past_cache : ndarray or QuantizedArray, shape ``(batch, D1, ..., max_sequence_length, ..., Dn)``
+        A ``QuantizedArray`` takes an ``update`` of its format (and scale), or
+        a float ``update`` it quantises; its codes and scales are written
+        together, along any axis but the last.
     update : ndarray, ``past_cache``'s shape and dtype except ``sequence_length <=
         max_sequence_length`` along ``axis``
     write_indices : int array of shape ``(batch,)``, optional
@@ -56,7 +60,7 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
 
     Returns
     -------
-    ndarray
+    ndarray or QuantizedArray
         ``present_cache`` (``out`` when given).
 
     Raises
@@ -69,6 +73,8 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     # checked and planned once per layout (``_layouts``), the rest is inlined.
     # ``out`` is returned as given (a matrix, a torch tensor); the work is done
     # on plain ndarray views of everything.
+    if type(past_cache) is QuantizedArray:
+        return _scatter_quantized(past_cache, update, write_indices, axis, mode, out)
     result = out
     in_place = out is past_cache
     if type(past_cache) is not np.ndarray:
@@ -134,6 +140,15 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     # Small copies stay on the calling thread (cheaper than handing out shares).
     pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
     return result
+
+
+def _scatter_quantized(past_cache, update, write_indices, axis, mode, out):
+    """``tensor_scatter`` on a ``QuantizedArray``: a float ``update`` is
+    quantised (``past_cache``'s format and scale), then its storage is
+    scattered into the cache's like any array's -- codes and scales
+    together, each checked before anything is written."""
+    past, new, dst, wrap = scatter_operands(past_cache, update, out, axis, out is past_cache)
+    return wrap(tensor_scatter(past, new, write_indices, axis=axis, mode=mode, out=dst))
 
 
 _layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written, work items); a few per cache in use

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._dtypes import is_cache_dtype
+from ._dtypes import is_attention_dtype, is_cache_dtype
+from ._quantize import QuantizedArray, quantize_as, zeros
 from ._scatter import MODES, tensor_scatter
 from ._validate import as_array, as_count, as_int64, index_vector
 
@@ -54,6 +55,18 @@ def _as_kv(array, name):
     if array.ndim != 4:
         raise ValueError(f"{name} must have rank 4 (batch, heads, new_seq, head_dim), got shape {array.shape}")
     return array
+
+
+# The formats a StaticKVCache quantises its keys and values into on append
+# (``numkv.quantize``: each new token's blocks on their own).
+QUANTIZED_DTYPES = ("q8_0", "q4_0")
+
+
+def _static_cache_dtype(dtype):
+    """``_cache_dtype``, or one of ``QUANTIZED_DTYPES`` (kept as its name)."""
+    if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES:
+        return dtype
+    return _cache_dtype(dtype)
 
 
 def _cache_dtype(dtype):
@@ -112,9 +125,14 @@ class _KVCache:
     # -- checks ------------------------------------------------------------
     def _check_pair(self, key, value, batch, heads, head_dim, v_head_dim, dtype):
         key, value = _as_kv(key, "key"), _as_kv(value, "value")
+        quantized = isinstance(dtype, str)  # a QUANTIZED_DTYPES cache: float keys, quantised here
         for name, arr, dim, size in (("key", key, "head_dim", head_dim),
                                      ("value", value, "v_head_dim", v_head_dim)):
-            if arr.dtype != dtype:
+            if quantized:
+                if not is_attention_dtype(arr.dtype):
+                    raise TypeError(f"{name} has dtype {arr.dtype}; a {dtype} cache quantises float keys "
+                                    f"and values (float16, bfloat16, float32, float64 or float8)")
+            elif arr.dtype != dtype:
                 raise TypeError(f"{name} has dtype {arr.dtype}, the cache holds {dtype} (no implicit casting)")
             if arr.shape[0] != batch:
                 raise ValueError(f"{name}.shape[0] (batch) = {arr.shape[0]}, the cache has batch_size {batch}")
@@ -124,6 +142,8 @@ class _KVCache:
                 raise ValueError(f"{name}.shape[3] ({dim}) = {arr.shape[3]}, the cache has {dim} {size}")
         if key.shape[2] != value.shape[2]:
             raise ValueError(f"key has {key.shape[2]} new positions, value has {value.shape[2]}")
+        if quantized:  # both quantised (finite, within float16's scales) before either is written
+            key, value = quantize_as(key, dtype, None, "key"), quantize_as(value, dtype, None, "value")
         return key, value
 
     def _new_lengths(self, lengths, batch, new):
@@ -149,6 +169,8 @@ class _KVCache:
         view of either) would otherwise be read after it was overwritten.
         ``np.may_share_memory`` compares bounds only (no exact solve): a false
         positive costs a copy of the new tokens, O(new tokens) like the write."""
+        if type(key) is QuantizedArray:  # quantised on the way in: new arrays, nobody's view
+            return key, value
         buffers = [b for b in (self._k, self._v) if b is not None]
         # An array that owns its memory overlaps the buffers (which own theirs)
         # only by being one of them: no bounds check for it.
@@ -234,7 +256,8 @@ class _KVCache:
                   f"head_dim={head_dim}"]
         if self._v.shape[3] != head_dim:
             fields.append(f"v_head_dim={self._v.shape[3]}")
-        fields += [f"dtype={self._k.dtype.name}", f"mode={self.mode!r}"]
+        dtype = self._k.format if type(self._k) is QuantizedArray else self._k.dtype.name
+        fields += [f"dtype={dtype}", f"mode={self.mode!r}"]
         if self.mode == "circular":
             fields.append(f"window={self.window}")
         lens = np.array2string(self._lens, separator=", ", threshold=16, edgeitems=4)
@@ -399,8 +422,13 @@ class StaticKVCache(_KVCache):
         slots of a circular one.
     head_dim : int
         Key head size ``D`` (>= 1).
-    dtype : dtype, default float32
-        Any fixed-width ``tensor_scatter`` dtype; keys and values must arrive in it.
+    dtype : dtype or {"q8_0", "q4_0"}, default float32
+        Any fixed-width ``tensor_scatter`` dtype; keys and values must arrive
+        in it.  Or a quantised format (``numkv.quantize``, head sizes a
+        multiple of 32): float keys and values of any attention dtype are
+        quantised on append, each new token's blocks on their own, and
+        ``get()`` / ``attention_inputs()`` hand over ``QuantizedArray`` views
+        that ``numkv.attention`` reads in place.
     v_head_dim : int, optional
         Value head size ``Dv``; default ``head_dim``.
     mode : {"linear", "circular"}
@@ -487,14 +515,21 @@ class StaticKVCache(_KVCache):
         window = max_seq_len if window is None else _count(window, "window", 1)
         if window > max_seq_len:
             raise ValueError(f"window {window} > max_seq_len {max_seq_len}")
-        dtype = _cache_dtype(dtype)
+        dtype = _static_cache_dtype(dtype)
+        if dtype in QUANTIZED_DTYPES:
+            for name, size in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+                if size % 32:
+                    raise ValueError(f"{name} {size} is not a multiple of {dtype}'s block of 32")
         self.mode = mode
         self.window = window
         # np.zeros: calloc'd pages, so a large unused capacity costs no time.
         shape = (batch_size, num_heads, max_seq_len)
         try:
-            self._k = np.zeros(shape + (head_dim,), dtype)
-            self._v = np.zeros(shape + (v_head_dim,), dtype)
+            if dtype in QUANTIZED_DTYPES:  # codes and scales, zero
+                self._k, self._v = zeros(dtype, shape + (head_dim,)), zeros(dtype, shape + (v_head_dim,))
+            else:
+                self._k = np.zeros(shape + (head_dim,), dtype)
+                self._v = np.zeros(shape + (v_head_dim,), dtype)
         except ValueError as exc:  # numpy's "array is too big": say which arguments made it
             raise ValueError(f"batch_size {batch_size} x num_heads {num_heads} x max_seq_len "
                              f"{max_seq_len} x head_dim {max(head_dim, v_head_dim)} is too big "
@@ -512,9 +547,14 @@ class StaticKVCache(_KVCache):
         return self._v
 
     @property
-    def dtype(self) -> np.dtype:
-        """The dtype of the buffers."""
-        return self._k.dtype
+    def dtype(self) -> np.dtype | str:
+        """The dtype of the buffers, or their format (``"q8_0"``, ``"q4_0"``)."""
+        return self._k.format if type(self._k) is QuantizedArray else self._k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (codes and scales of a quantised cache)."""
+        return int(self._k.nbytes + self._v.nbytes)
 
     @property
     def capacity(self) -> int:
@@ -570,7 +610,7 @@ class StaticKVCache(_KVCache):
             that wrap the ring (circular).  Nothing is written then.
         """
         batch, heads, _, head_dim = self._k.shape
-        key, value = self._check_pair(key, value, batch, heads, head_dim, self._v.shape[3], self._k.dtype)
+        key, value = self._check_pair(key, value, batch, heads, head_dim, self._v.shape[3], self.dtype)
         new = key.shape[2]
         gained = self._new_lengths(lengths, batch, new)
         start = self._lens

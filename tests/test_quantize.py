@@ -274,6 +274,318 @@ def test_a_given_scale_is_copied_and_read_only():
         q.scales[...] = 2.0
 
 
+@pytest.mark.parametrize("f16c", [True, False], ids=["f16c", "no-f16c"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_tile_widening_gives_the_dequantised_values(fmt, f16c):
+    """``widen._widen_rows`` on rows of every format (a row of 32 blocks,
+    every code and scales from subnormal to large; int8 / int4 rows of a
+    width 32 does not divide take the element tail) into float32 and
+    float64 tiles: exactly ``dequantize()`` (int8 / int4: the codes, whose
+    scales fold elsewhere).  Compiled afresh with F16C forced on or off."""
+    from numba import njit
+
+    from numkv._dtypes import e8m0_table
+    from numkv._kernels import cpu, layout, widen
+
+    if f16c and not cpu.has_f16c():
+        pytest.skip("this CPU has no F16C")
+    rng = np.random.default_rng(4)
+    width = 1024 if fmt in BLOCK_FORMATS else 1000
+    x = (rng.standard_normal((3, width)) * 10.0 ** rng.uniform(-6, 3, (3, 1))).astype(np.float32)
+    q = quantize(x, fmt, scale=None if fmt in BLOCK_FORMATS else np.float32(1.0) / 16)
+    want = q.dequantize(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
+    storage = np.ascontiguousarray(q.storage).view(np.uint8)
+    row_bytes = storage.shape[-1]
+    kernel = njit(widen._widen_rows.py_func)
+    code = layout.Q8_0 + layout.QUANT_FORMATS.index(fmt)
+    with cpu.forcing(f16c=f16c):
+        for dtype in (np.float32, np.float64):
+            out = np.full((4, width), -1.0, dtype)
+            kernel(out, np.int64(1), np.int64(3), np.int64(width), storage.reshape(-1), np.int64(code),
+                   np.int64(0), np.int64(row_bytes), np.int64(1), e8m0_table(), layout.FORMAT_TABLE)
+            assert (out[0] == -1).all()
+            assert np.array_equal(out[1:], want), (dtype, np.abs(out[1:] - want).max())
+
+
+# -- numkv.attention reads QuantizedArray K / V in the kernel ---------------------------------
+#
+# The answer is numkv.attention over K.dequantize(), V.dequantize() (float32
+# arrays: the kernel's float32 path).  q8_0 / q4_0 / int4-per-tensor widen to
+# those very float32 values (a code times a float16 scale is exact), so Y
+# comes out with the same bits; int8 / int4 with a per-channel scale fold it
+# into Q and Y (``sum_d (q_d s_d) c_d`` for ``sum_d q_d (s_d c_d)``), which
+# differs by float32 rounding: ``rtol = atol = 1e-5`` (measured <= 1e-6 on
+# outputs of order 1) against ~1e-2 for a code one step off.
+
+import numkv  # noqa: E402
+from numkv import _attention, _config  # noqa: E402
+
+ATTN_TOL = 1e-5
+ATTENTION_CASES = {
+    # name: (Hq, Hkv, Sq, Skv, past, D, kwargs)
+    "decode-gqa": (8, 2, 1, 70, 0, 64, {}),
+    "decode-gqa-past-causal": (8, 2, 1, 9, 61, 64, dict(is_causal=True)),
+    "decode-mqa-softcap": (4, 1, 1, 70, 0, 32, dict(softcap=3.0)),
+    "prefill-gqa-causal": (8, 2, 40, 40, 0, 64, dict(is_causal=True)),
+    "prefill-past-causal-window": (4, 2, 20, 20, 30, 64, dict(is_causal=True, left_window_size=13)),
+    "prefill-right-window-mask": (4, 2, 17, 33, 0, 96, dict(right_window_size=5, left_window_size=7)),
+    "nonpad-decode-causal": (8, 2, 1, 50, 0, 64, dict(is_causal=True, nonpad=(50, 17))),
+    "nonpad-prefill-causal": (8, 4, 12, 50, 0, 64, dict(is_causal=True, nonpad=(31, 12))),
+    "float-mask": (8, 2, 3, 45, 0, 64, dict(mask=True)),
+}
+
+
+def _scale_for(fmt, x, per_channel=True):
+    if fmt in BLOCK_FORMATS:
+        return None
+    qmax = 127 if fmt == "int8" else 7
+    if per_channel:
+        return (np.abs(x).max(axis=(0, 2), keepdims=True) / qmax).astype(np.float32)
+    return np.float32(np.abs(x).max() / qmax)
+
+
+def _attention_case(name, fmt, per_channel=True):
+    hq, hkv, sq, skv, past, d, kwargs = ATTENTION_CASES[name]
+    if fmt == "int8" and name == "prefill-right-window-mask":
+        d = 40  # a head size 32 does not divide: int8 rows take the element-by-element tail
+    rng = np.random.default_rng(zlib.crc32(f"{name}{fmt}{per_channel}".encode()))
+    b = 2
+    kwargs = dict(kwargs)
+    q = rng.standard_normal((b, hq, sq, d)).astype(np.float32)
+    k_all = (rng.standard_normal((b, hkv, past + skv, d)) * rng.uniform(0.3, 2, (1, hkv, 1, d))).astype(np.float32)
+    v_all = rng.standard_normal((b, hkv, past + skv, d)).astype(np.float32)
+    # a cache of capacity past + skv + 5: the arrays the call reads are slices of it
+    cap = past + skv + 5
+    k_buf = quantize(np.concatenate([k_all, np.zeros((b, hkv, 5, d), np.float32)], 2), fmt,
+                     scale=_scale_for(fmt, k_all, per_channel))
+    v_buf = quantize(np.concatenate([v_all, np.zeros((b, hkv, 5, d), np.float32)], 2), fmt,
+                     scale=_scale_for(fmt, v_all, per_channel))
+    assert k_buf.shape[2] == cap
+    args = dict(K=k_buf[:, :, past:past + skv], V=v_buf[:, :, past:past + skv])
+    if past:
+        args.update(past_key=k_buf[:, :, :past], past_value=v_buf[:, :, :past])
+    if "nonpad" in kwargs:
+        kwargs["nonpad_kv_seqlen"] = np.array(kwargs.pop("nonpad"), np.int64)
+    if kwargs.pop("mask", False):
+        kwargs["attn_mask"] = rng.standard_normal((sq, past + skv)).astype(np.float32)
+    return q, args, kwargs
+
+
+def _dequantized(args):
+    return {n: (a.dequantize() if isinstance(a, QuantizedArray) else a) for n, a in args.items()}
+
+
+def _call(q, args, kwargs):
+    return numkv.attention(q, args["K"], args["V"], past_key=args.get("past_key"),
+                           past_value=args.get("past_value"), **kwargs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_attention_over_quantized_equals_attention_over_dequantized(name, fmt):
+    q, args, kwargs = _attention_case(name, fmt)
+    got = _call(q, args, kwargs)
+    want = _call(q, _dequantized(args), kwargs)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=ATTN_TOL, atol=ATTN_TOL)
+    if fmt in BLOCK_FORMATS:  # the same float32 values reach the same arithmetic
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", ["decode-gqa-past-causal", "prefill-past-causal-window", "nonpad-decode-causal"])
+def test_small_tiles_and_key_chunks_and_the_reference_path_agree(name, fmt, monkeypatch):
+    """Forced tile sizes and key-range chunks (the split decode's merge), and
+    the plain NumPy path: all equal the kernel's default call."""
+    q, args, kwargs = _attention_case(name, fmt)
+    want = _call(q, _dequantized(args), kwargs)
+    call = _attention.prepare(q, args["K"], args["V"], past_key=args.get("past_key"),
+                              past_value=args.get("past_value"), **kwargs)
+    for block_q, block_k, chunk in ((1, 7, 16), (3, 16, None), (None, 5, 11)):
+        got = _attention.run(call, block_q=block_q, block_k=block_k, kv_chunk=chunk)
+        np.testing.assert_allclose(got, want, rtol=ATTN_TOL, atol=ATTN_TOL,
+                                   err_msg=f"block_q={block_q} block_k={block_k} chunk={chunk}")
+    monkeypatch.setattr(_config, "REFERENCE", True)
+    np.testing.assert_allclose(_call(q, args, kwargs), want, rtol=ATTN_TOL, atol=ATTN_TOL)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_per_tensor_scales_and_a_float16_query(fmt):
+    q, args, kwargs = _attention_case("decode-gqa-past-causal", fmt, per_channel=False)
+    q16 = q.astype(np.float16)
+    got = _call(q16, args, kwargs)
+    want = _call(q16, _dequantized(args), kwargs)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_quantized_attention_can_fail():
+    """The comparison sees a scale off by one block: V's scales rolled along
+    the blocks (what reading the wrong block's scale would give)."""
+    q, args, kwargs = _attention_case("decode-gqa", "q8_0")
+    v = args["V"]
+    wrong = QuantizedArray.from_parts("q8_0", v.codes, np.roll(v.scales, 1, axis=-1))
+    got = _call(q, dict(args, V=wrong), kwargs)
+    want = _call(q, _dequantized(args), kwargs)
+    assert not np.allclose(got, want, rtol=ATTN_TOL, atol=ATTN_TOL)
+
+
+def test_quantized_attention_makes_no_dequantised_copy():
+    """The wrapper allocates nothing of the cache's size (numpy's allocations
+    are what tracemalloc sees; a dequantised K and V would be 8 MiB here)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(5)
+    k = quantize(rng.standard_normal((1, 4, 4096, 128)).astype(np.float32), "q8_0")
+    v = quantize(rng.standard_normal((1, 4, 4096, 128)).astype(np.float32), "q8_0")
+    q = rng.standard_normal((1, 16, 1, 128)).astype(np.float32)
+    numkv.attention(q, k, v)  # compiled
+    tracemalloc.start()
+    try:
+        numkv.attention(q, k, v)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda q, k, v: numkv.attention(quantize(q, "q8_0"), k, v), TypeError, "Q"),
+    (lambda q, k, v: numkv.attention(q[:, :, 0], k[:, 0], v[:, 0], q_num_heads=4, kv_num_heads=2), ValueError, "K"),
+    (lambda q, k, v: numkv.attention(q, k, v, past_key=k.dequantize(), past_value=v), TypeError, "past_key"),
+    (lambda q, k, v: numkv.attention(q, k, v, past_key=quantize(k.dequantize(), "q4_0"), past_value=v),
+     TypeError, "past_key"),
+    (lambda q, k, v: numkv.attention(q, quantize(k.dequantize(), "int8", scale=0.1), v,
+                                     past_key=quantize(k.dequantize(), "int8", scale=0.2), past_value=v),
+     ValueError, "past_key"),
+    (lambda q, k, v: numkv.attention(q, k[:, :1], v), ValueError, "heads"),
+])
+def test_bad_quantized_attention_input_is_refused(call, error, words):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
+    k = quantize(rng.standard_normal((2, 2, 5, 64)).astype(np.float32), "q8_0")
+    v = quantize(rng.standard_normal((2, 2, 5, 64)).astype(np.float32), "q8_0")
+    with pytest.raises(error, match=words):
+        call(q, k, v)
+
+
+def test_float_and_quantized_k_v_mix():
+    """K and V are read on their own: a q4_0 K with a float32 V, and an
+    int8 V with a float16 K."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 8, 2, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 30, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 30, 64)).astype(np.float32)
+    qk, qv = quantize(k, "q4_0"), quantize(v, "int8", scale=_scale_for("int8", v))
+    np.testing.assert_allclose(numkv.attention(q, qk, v), numkv.attention(q, qk.dequantize(), v),
+                               rtol=ATTN_TOL, atol=ATTN_TOL)
+    np.testing.assert_allclose(numkv.attention(q, k.astype(np.float16), qv),
+                               numkv.attention(q, k.astype(np.float16), qv.dequantize()),
+                               rtol=ATTN_TOL, atol=ATTN_TOL)
+
+
+# -- tensor_scatter on a QuantizedArray, and a quantised StaticKVCache ------------------------
+
+
+def _cache_and_update(fmt, rng, seq=2):
+    x = rng.standard_normal((2, 3, 10, 64)).astype(np.float32)
+    scale = None if fmt in BLOCK_FORMATS else np.float32(0.05) if fmt == "int4" else \
+        rng.uniform(0.01, 0.03, (1, 3, 1, 64)).astype(np.float32)
+    return quantize(x, fmt, scale=scale), rng.standard_normal((2, 3, seq, 64)).astype(np.float32), scale
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter_appends_codes_and_scales_in_place(fmt, mode, rng):
+    cache, update, scale = _cache_and_update(fmt, rng)
+    before = cache.dequantize()
+    storage = cache.storage
+    starts = np.array([1, 9 if mode == "circular" else 7])  # the second row wraps in circular mode
+    out = numkv.tensor_scatter(cache, update, starts, axis=2, mode=mode, out=cache)
+    assert out is cache and cache.storage is storage
+    want = before.copy()
+    written = quantize(update, fmt, scale=scale).dequantize()
+    for b, s in enumerate(starts):
+        for t in range(update.shape[2]):
+            want[b, :, (s + t) % 10] = written[b, :, t]
+    assert np.array_equal(cache.dequantize(), want)
+    # a QuantizedArray update of the same format moves the same bytes
+    again = quantize(np.random.default_rng(7).standard_normal((2, 3, 10, 64)).astype(np.float32), fmt, scale=scale)
+    copy = numkv.tensor_scatter(again, quantize(update, fmt, scale=scale), starts, axis=-2, mode=mode)
+    assert isinstance(copy, QuantizedArray) and copy is not again
+    assert np.array_equal(copy.dequantize()[0, :, 1:3], written[0])
+    assert not np.shares_memory(copy.storage, again.storage)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(update=lambda u: np.where(u > 1, np.nan, u)), ValueError, "update"),
+    (dict(update=lambda u: u.astype(np.int16)), TypeError, "update"),
+    (dict(update=lambda u: u[..., :32]), ValueError, "update"),
+    (dict(axis=-1), ValueError, "axis"),
+    (dict(axis=0), ValueError, "axis"),
+    (dict(starts=[0, 9]), ValueError, "write_indices"),
+    (dict(starts=[-1, 0]), ValueError, "write_indices"),
+])
+def test_a_refused_scatter_leaves_the_cache_byte_for_byte(fmt, bad, error, words, rng):
+    cache, update, _ = _cache_and_update(fmt, rng)
+    before = cache.storage.copy()
+    update = bad.get("update", lambda u: u)(update)
+    with pytest.raises(error, match=words):
+        numkv.tensor_scatter(cache, update, np.array(bad.get("starts", [0, 1])), axis=bad.get("axis", 2),
+                             out=cache)
+    assert np.array_equal(cache.storage, before)
+
+
+def test_scatter_refuses_another_format_or_scale(rng):
+    cache, update, _ = _cache_and_update("int8", rng)
+    with pytest.raises(ValueError, match="scale"):
+        numkv.tensor_scatter(cache, quantize(update, "int8", scale=0.5), axis=2, out=cache)
+    with pytest.raises(TypeError, match="format"):
+        numkv.tensor_scatter(cache, quantize(update, "q8_0"), axis=2, out=cache)
+    with pytest.raises(TypeError, match="out"):
+        numkv.tensor_scatter(cache, update, axis=2, out=cache.dequantize())
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_static_cache_quantises_on_append_and_decodes_like_the_dequantised_cache(fmt, rng):
+    b, hkv, hq, d, cap = 2, 2, 8, 64, 40
+    cache = numkv.StaticKVCache(b, hkv, cap, d, dtype=fmt)
+    assert cache.nbytes == 2 * b * hkv * cap * d // BLOCK * (34 if fmt == "q8_0" else 18)
+    keys = rng.standard_normal((b, hkv, 12, d)).astype(np.float32)
+    values = rng.standard_normal((b, hkv, 12, d)).astype(np.float32)
+    q = rng.standard_normal((b, hq, 12, d)).astype(np.float32)
+    # a prefill of 9 tokens, then decode steps of one
+    k_view, v_view = cache.append(keys[:, :, :9], values[:, :, :9])
+    assert isinstance(k_view, QuantizedArray) and k_view.shape == (b, hkv, 9, d)
+    ys = [numkv.attention(q[:, :, :9], **cache.attention_inputs())]
+    for t in range(9, 12):
+        cache.append(keys[:, :, t:t + 1], values[:, :, t:t + 1])
+        ys.append(numkv.attention(q[:, :, t:t + 1], **cache.attention_inputs()))
+    k_all, v_all = cache.get()
+    assert isinstance(k_all, QuantizedArray) and np.shares_memory(k_all.storage, cache.key_buffer.storage)
+    # each token's blocks quantised on their own: the cache holds quantize(keys)
+    assert np.array_equal(k_all.dequantize(), quantize(keys, fmt).dequantize())
+    assert np.array_equal(v_all.dequantize(), quantize(values, fmt).dequantize())
+    want = numkv.attention(q, k_all.dequantize(), v_all.dequantize(), is_causal=True)
+    np.testing.assert_allclose(np.concatenate(ys, axis=2), want, rtol=ATTN_TOL, atol=ATTN_TOL)
+
+
+def test_quantised_cache_refuses_what_it_cannot_hold(rng):
+    with pytest.raises(ValueError, match="head_dim"):
+        numkv.StaticKVCache(1, 2, 8, 48, dtype="q8_0")
+    with pytest.raises((TypeError, ValueError), match="dtype"):
+        numkv.StaticKVCache(1, 2, 8, 64, dtype="q5_0")
+    cache = numkv.StaticKVCache(1, 2, 8, 64, dtype="q4_0")
+    before = cache.key_buffer.storage.copy()
+    with pytest.raises(TypeError, match="key"):
+        cache.append(np.zeros((1, 2, 1, 64), np.int8), np.zeros((1, 2, 1, 64), np.float32))
+    with pytest.raises(ValueError, match="key"):
+        cache.append(np.full((1, 2, 1, 64), np.inf, np.float32), np.zeros((1, 2, 1, 64), np.float32))
+    assert np.array_equal(cache.key_buffer.storage, before) and cache.seq_len == 0
+
+
 # -- onnxruntime's GroupQueryAttention reads and writes the same codes --------------
 
 ort = pytest.importorskip("onnxruntime")

@@ -109,7 +109,7 @@ from .widen import _itemsize, _kv_tile, _widen_rows
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "3597272dd3d96ae845c32882c75158b1b122b8101130451b9ac6424825e1382b"
+HELPERS_SHA256 = "3189219e91d8d9eeaaa85ec3d38a8e4d80828315fcc92f3bc02e72de463c5e07"
 
 
 # -- work items --------------------------------------------------------------------------

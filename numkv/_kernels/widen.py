@@ -14,7 +14,9 @@ Two ways in:
 
 A new format read in place is one ``FORMATS`` entry (its IR widening, its
 bits an element, what it needs of the CPU), its dtype code in ``layout``,
-and its branch of ``_widen_rows`` for the tile path.
+and its branch of ``_widen_rows`` for the tile path.  The quantised formats
+(``layout.QUANT_FORMATS``: codes with scales) widen a block of 32 at a time
+(``_widen_quantized``).
 
 Widening is written as LLVM IR in 16- and 32-bit lanes with selects: numba's
 own integer arithmetic widens to 64 bits (``uint32 - uint32`` is ``int64``),
@@ -35,16 +37,17 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_f16c, has_vbmi
-from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, E8M0, F16, F32, F64, INFNAN_EM, NAN_BITS, NAN_EM, NONE,
-                     SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S)
-from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _float32_from_bits, _prefetch, _splat, _view
+from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, E8M0, F16, F32, F64, INFNAN_EM, INT4, INT8, NAN_BITS,
+                     NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B,
+                     STRIDE_D, STRIDE_H, STRIDE_S)
+from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _float32_from_bits, _prefetch, _splat, _view
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): numba's disk cache
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "39afec6516895e2ab1d014cde48c6d3c4c6a89c2cebc935a02450cd1c53bb8f2"
+HELPERS_SHA256 = "b9a081ce179208e2985fd53ccc0351df0fda56b1791c697bbc064d5132631020"
 
 # -- bits -> float32, in IR --------------------------------------------------------------
 
@@ -275,8 +278,22 @@ def _format(formats, code):
 
 @jit(inline=True)
 def _itemsize(code):
-    """Bytes an element of dtype ``code`` holds."""
+    """Bytes an element of dtype ``code`` holds (a quantised format's ``desc``
+    counts bytes: 1)."""
     return 4 if code == F32 else 8 if code == F64 else 2 if code <= BF16 else 1
+
+
+@jit(inline=True)
+def _row_bytes(code, width):
+    """Bytes a row of ``width`` elements of dtype ``code`` spans (quantised
+    formats: their blocks, or packed codes)."""
+    if code == Q8_0:
+        return width // QUANT_BLOCK * (2 + QUANT_BLOCK)
+    if code == Q4_0:
+        return width // QUANT_BLOCK * (2 + QUANT_BLOCK // 2)
+    if code == INT4:
+        return width // 2
+    return width * _itemsize(code)
 
 
 @jit(inline=True)
@@ -298,12 +315,14 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
     kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
     step = np.uint64(stride)
     if stride == 1:  # the rows PREFETCH_KEYS on, a cache line at a time
-        row_bytes = width * _itemsize(code)
+        row_bytes, unit = _row_bytes(code, width), _itemsize(code)
         for t in range(n):
-            ahead = (base + (t + PREFETCH_KEYS) * seq_stride) * (row_bytes // width)
+            ahead = (base + (t + PREFETCH_KEYS) * seq_stride) * unit
             for line in range(0, row_bytes, 64):
                 _prefetch(buf, np.uint64(ahead + line))
-    if code == F32:
+    if code >= Q8_0:
+        _widen_quantized(dst, r0, n, width, buf, code, base, seq_stride)
+    elif code == F32:
         _copy_rows(dst, r0, n, width, _view(buf, np.float32), base, seq_stride, step)
     elif code == F64:
         _copy_rows(dst, r0, n, width, _view(buf, np.float64), base, seq_stride, step)
@@ -341,6 +360,100 @@ def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, f
             for c in range(width):
                 dst[r0 + t, c] = _decode_bits(buf[at + np.uint64(c) * step], np.uint32(0x80), shift, scale,
                                               infnan, nan_em, nan_x)
+
+
+def _emit_quant_block(builder, src, fmt):
+    """IR: the ``QUANT_BLOCK`` (32) values of one block of ``fmt`` at the
+    ``i8*`` ``src`` as a ``<32 x float>`` (q8_0 / q4_0: times their float16
+    scale, which leads the block; int8 / int4: the codes)."""
+    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+    lanes = QUANT_BLOCK
+    scale = None
+    if fmt in ("q8_0", "q4_0"):
+        bits = builder.load(builder.bitcast(src, i16.as_pointer()), align=1)
+        scale = _widen_ir(builder, bits, "f16", has_f16c())
+        src = builder.gep(src, [ir.Constant(i64, 2)])
+    if fmt in ("q8_0", "int8"):
+        codes = builder.load(builder.bitcast(src, ir.VectorType(i8, lanes).as_pointer()), align=1)
+    else:  # nibbles, biased by 8: q4_0 element j low, j + 16 high; int4 the even element low
+        packed = builder.load(builder.bitcast(src, ir.VectorType(i8, lanes // 2).as_pointer()), align=1)
+        low = builder.and_(packed, _splat(ir.VectorType(i8, lanes // 2), 15))
+        high = builder.lshr(packed, _splat(ir.VectorType(i8, lanes // 2), 4))
+        order = (list(range(lanes)) if fmt == "q4_0"
+                 else [i // 2 + (lanes // 2) * (i % 2) for i in range(lanes)])
+        codes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), lanes), order))
+        codes = builder.sub(codes, _splat(ir.VectorType(i8, lanes), 8))
+    values = builder.sitofp(codes, ir.VectorType(ir.FloatType(), lanes))
+    if scale is not None:
+        values = builder.fmul(values, _broadcast(builder, scale, lanes))
+    return values
+
+
+def _quant_block_intrinsic(fmt):
+    """``_widen_<fmt>_block(out, out_at, buf, at)``: ``out[out_at:out_at + 32]``
+    = the block of ``fmt`` at byte ``at`` of ``buf`` (``_emit_quant_block``),
+    in ``out``'s dtype (float32 or float64).  No loop: a vector load, convert
+    and store, which a numba loop over a block did not become."""
+    def typer(typingctx, out, out_at, buf, at):
+        if not (isinstance(out, types.Array) and out.dtype in (types.float32, types.float64)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            dst = context.make_array(sig.args[0])(context, builder, args[0])
+            raw = context.make_array(sig.args[2])(context, builder, args[2])
+            values = _emit_quant_block(builder, builder.gep(raw.data, [args[3]]), fmt)
+            elem = context.get_value_type(sig.args[0].dtype)
+            if elem != ir.FloatType():
+                values = builder.fpext(values, ir.VectorType(elem, QUANT_BLOCK))
+            ptr = builder.bitcast(builder.gep(dst.data, [args[1]]), ir.VectorType(elem, QUANT_BLOCK).as_pointer())
+            builder.store(values, ptr, align=4)
+            return context.get_dummy_value()
+        return types.void(out, out_at, buf, at), codegen
+    typer.__name__ = f"_widen_{fmt}_block"
+    return intrinsic(typer)
+
+
+_widen_q8_0_block, _widen_q4_0_block, _widen_int8_block, _widen_int4_block = map(
+    _quant_block_intrinsic, QUANT_FORMATS)
+
+
+@jit(inline=True)  # (inlined: its IR is made when _widen_rows compiles, for the CPU then in force)
+def _widen_quantized(dst, r0, n, width, buf, code, base, seq_stride):
+    """``_widen_rows`` for the quantised formats (``QUANT_FORMATS``): row ``t``
+    starts at byte ``base + t * seq_stride``.  q8_0 / q4_0 blocks widen to
+    ``d * code`` (exact in float32: 8 bits times float16's 11); int8 / int4
+    to the code itself, 32 at a time by the block intrinsics, the rest of a
+    row one by one.  (A numba loop over a block with unsigned indices: 13
+    ns a row of 128 q8_0 codes; with the literal 32 LLVM unrolled it and
+    left it scalar, 57 ns.)"""
+    out = dst.reshape(dst.size)
+    codes = _view(buf, np.int8)  # (out of the loops: a view made in them cost a reference count a row)
+    w = np.uint64(width)
+    blocks = width // QUANT_BLOCK
+    block_bytes = np.uint64(2 + QUANT_BLOCK if code == Q8_0 else 2 + QUANT_BLOCK // 2 if code == Q4_0
+                            else QUANT_BLOCK if code == INT8 else QUANT_BLOCK // 2)
+    lanes = np.uint64(QUANT_BLOCK)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        row = np.uint64(r0 + t) * w
+        for k in range(blocks):
+            o, first = at + np.uint64(k) * block_bytes, row + np.uint64(k) * lanes
+            if code == Q8_0:
+                _widen_q8_0_block(out, first, buf, o)
+            elif code == Q4_0:
+                _widen_q4_0_block(out, first, buf, o)
+            elif code == INT8:
+                _widen_int8_block(out, first, buf, o)
+            else:
+                _widen_int4_block(out, first, buf, o)
+        done = blocks * QUANT_BLOCK
+        if done < width:  # int8 / int4 rows of a head size 32 does not divide
+            for c in range(done, width):
+                if code == INT8:
+                    out[row + np.uint64(c)] = codes[at + np.uint64(c)]
+                else:
+                    byte = np.int32(buf[at + np.uint64(c // 2)])
+                    out[row + np.uint64(c)] = ((byte >> 4) if c % 2 else (byte & 15)) - 8
 
 
 @jit(inline=True)
