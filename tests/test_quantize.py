@@ -671,3 +671,25 @@ def test_onnxruntime_group_query_attention_reads_and_writes_numkv_codes(fmt, per
     # and a cache read with another nibble order or scale axis would not pass
     wrong = numkv.attention(q4, qk.dequantize(), qv.dequantize()[..., ::-1].copy())
     assert not np.allclose(got, wrong, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+# -- the bench's quantised decodes ----------------------------------------------------------------
+
+
+def test_the_bench_holds_the_quantised_decodes_and_they_agree():
+    """``python -m numkv bench`` has a decode over each format at Skv=16384;
+    the same cases on a short cache run, and every implementation's Y
+    matches numkv's (onnxruntime's GroupQueryAttention reads the same codes
+    and writes the last token's as numkv did)."""
+    from numkv._cli import bench_cases, timing
+
+    ids = [case.id for case in bench_cases.default_cases()]
+    for fmt in FORMATS:
+        assert f"decode-Skv16384-kv-{fmt}" in ids
+    for case in bench_cases.quantized_decode_cases(threads=1, kv_len=96):
+        result = timing.time_case(case, timing.Settings(1, 0.05, 1))
+        ran = [t for t in result.timings if t.seconds is not None]
+        assert len(ran) == (3 if "int" in case.id else 2), [(t.impl.label, t.note) for t in result.timings]
+        for t in ran[1:]:
+            assert t.max_dy is not None and t.max_dy < 1e-5, (case.id, t.impl.label, t.max_dy)
+        assert ran[0].impl.work < ran[1].impl.work / 3  # bytes read: codes and scales, not float32

@@ -573,8 +573,115 @@ def scatter_cases(threads=None):
             for form in titles]
 
 
+# -- quantised K/V (issue 28): decode over QuantizedArray K and V ----------------------------
+#
+# The decode workload ``decode(QUANTIZED_DECODE_LEN)`` with K and V quantised
+# (``numkv.quantize``): q8_0 / q4_0 blocks, int8 / int4 with a per-channel
+# scale (``|x|.max`` over batch and sequence per head and channel / qmax).
+# Its work is the bytes actually read: codes and scales (``nbytes``), Q and
+# Y.  Beside numkv: numkv's float32 call over the dequantised values (the
+# same function: ``max|dY|`` is rounding) and, for int8 / int4,
+# onnxruntime's ``GroupQueryAttention`` (com.microsoft) with its quantised
+# cache in the same codes and scales: a decode step appending the last
+# token (which it quantises to numkv's very codes) to a cache of
+# ``QUANTIZED_DECODE_LEN - 1`` whose buffers are bound as both past and
+# present (no copy of the cache a step).
+
+QUANTIZED_DECODE_LEN = 16384
+QUANTIZED_FORMATS = ("q8_0", "q4_0", "int8", "int4")
+
+
+def quantized_decode_cases(threads=None, peers=PEERS, kv_len=QUANTIZED_DECODE_LEN):
+    cases = []
+    for fmt in QUANTIZED_FORMATS:
+        w = decode(kv_len)
+        kind = " per channel" if fmt in ("int8", "int4") else ""
+        title = (f"attention: decode, B={w.batch} Hq={w.q_heads} Hkv={w.kv_heads} D={w.head_size} "
+                 f"Skv={w.kv_len}, numkv in Q float32, K/V {fmt}{kind} (numkv.quantize)")
+        cases.append(Case(f"decode-Skv{w.kv_len}-kv-{fmt}", title,
+                          (lambda fmt=fmt, w=w: _quantized_impls(w, fmt, threads, peers)), limit="read"))
+    return cases
+
+
+def _quantized_inputs(w, fmt):
+    q, k, v = inputs(w)
+    if fmt in ("q8_0", "q4_0"):
+        return q, numkv.quantize(k, fmt), numkv.quantize(v, fmt), None, None
+    qmax = 127 if fmt == "int8" else 7
+    k_scale = (np.abs(k).max(axis=(0, 2), keepdims=True) / qmax).astype(np.float32)
+    v_scale = (np.abs(v).max(axis=(0, 2), keepdims=True) / qmax).astype(np.float32)
+    return q, numkv.quantize(k, fmt, scale=k_scale), numkv.quantize(v, fmt, scale=v_scale), (k, v), (k_scale, v_scale)
+
+
+def _quantized_impls(w, fmt, threads, peers):
+    q, qk, qv, floats, scales = _quantized_inputs(w, fmt)
+    y_bytes = q.nbytes  # (Y: float32, Q's shape at Dv = D)
+    impls = [Impl(f"numkv attention (K/V {fmt})", "numkv", lambda: numkv.attention(q, qk, qv),
+                  float(qk.nbytes + qv.nbytes + q.nbytes + y_bytes))]
+    k32, v32 = qk.dequantize(), qv.dequantize()
+    impls.append(Impl("numkv attention (float32, the dequantised K/V)", "numkv",
+                      lambda: numkv.attention(q, k32, v32), w.work("float32", "float32")))
+    if fmt in ("int8", "int4") and "onnxruntime" in peers and have("onnxruntime") and have("onnx"):
+        impls.append(_ort_gqa_impl(w, fmt, q, qk, qv, floats, scales, threads,
+                                   float(qk.nbytes + qv.nbytes + q.nbytes + y_bytes)))
+    return impls
+
+
+def _ort_gqa_impl(w, fmt, q, qk, qv, floats, scales, threads, work):
+    """onnxruntime's GroupQueryAttention over the codes of ``qk`` / ``qv``
+    (a cache of ``Skv``: the first ``Skv - 1`` tokens held, the last one
+    appended by the call), past and present bound to the same buffers."""
+    label = f"onnxruntime GroupQueryAttention ({fmt} per-channel cache)"
+
+    def make():
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        b, hq, hkv, skv, d = w.batch, w.q_heads, w.kv_heads, w.kv_len, w.head_size
+        code_type = TensorProto.INT8 if fmt == "int8" else TensorProto.UINT8
+        names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+                 "", "", "", "", "", "k_scale", "v_scale"]
+        node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                                domain="com.microsoft", num_heads=hq, kv_num_heads=hkv,
+                                k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
+                                kv_cache_bit_width=8 if fmt == "int8" else 4)
+        typed = [("query", TensorProto.FLOAT), ("key", TensorProto.FLOAT), ("value", TensorProto.FLOAT),
+                 ("past_key", code_type), ("past_value", code_type), ("seqlens_k", TensorProto.INT32),
+                 ("total_sequence_length", TensorProto.INT32), ("k_scale", TensorProto.FLOAT),
+                 ("v_scale", TensorProto.FLOAT)]
+        graph = helper.make_graph([node], "gqa", [helper.make_tensor_value_info(n, t, None) for n, t in typed],
+                                  [helper.make_tensor_value_info(n, t, None) for n, t in
+                                   (("output", TensorProto.FLOAT), ("present_key", code_type),
+                                    ("present_value", code_type))])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                       helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        session = ort_session(model, threads)
+        k, v = floats
+        new_token = lambda x: np.ascontiguousarray(x[:, :, skv - 1:].transpose(0, 2, 1, 3).reshape(b, 1, -1))  # noqa: E731
+        feed = dict(query=np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(b, 1, hq * d)),
+                    key=new_token(k), value=new_token(v), seqlens_k=np.full(b, skv - 1, np.int32),
+                    total_sequence_length=np.array(skv, np.int32), k_scale=scales[0], v_scale=scales[1])
+        binding = session.io_binding()
+        binding.bind_output("output")  # (first: get_outputs() lists outputs in binding order)
+        for name, array in feed.items():
+            binding.bind_cpu_input(name, array)
+        for past, present, cache in (("past_key", "present_key", qk), ("past_value", "present_value", qv)):
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(cache.codes))
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+
+        def call():
+            session.run_with_iobinding(binding)
+            return binding.get_outputs()[0].numpy().reshape(b, 1, hq, d).transpose(0, 2, 1, 3)
+        return call
+
+    return _attempt(label, "onnxruntime", make, work)
+
+
 def default_cases(threads=None):
     """Every case of ``python -m numkv bench``, in the order they run."""
     loads = prefill_workloads() + decode_workloads()
-    return [attention_case(w, threads) for w in loads] + scatter_cases(threads)
+    return ([attention_case(w, threads) for w in loads] + quantized_decode_cases(threads)
+            + scatter_cases(threads))
 
