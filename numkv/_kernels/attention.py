@@ -109,7 +109,7 @@ from .widen import _itemsize, _kv_tile, _widen_rows
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "3189219e91d8d9eeaaa85ec3d38a8e4d80828315fcc92f3bc02e72de463c5e07"
+HELPERS_SHA256 = "ab792cfd463b83002ee73d97d5a334c45ff8b584fbbddbd7839ca38ab2637f31"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -193,6 +193,7 @@ def _emit_axpy(context, builder, sig, args):
 
     def loops(elem, narrow):
         first = builder.gep(builder.bitcast(v_arr.data, elem.as_pointer()), [v_at])
+        addressed = narrow is not None and FORMATS[narrow].load is not None
 
         def run(width, parts, block):  # the keys over ``parts`` runs of ``width`` elements from ``d0``
             ty = ir.VectorType(real, width) if width > 1 else real
@@ -203,16 +204,20 @@ def _emit_axpy(context, builder, sig, args):
                                         ty.as_pointer()) for row in acc_rows for c in range(parts)]
 
                 def key(j, accs):
-                    row = builder.gep(first, [builder.add(builder.mul(j, ld), d0)])
+                    if addressed:  # the row's first byte; its elements at d0 + ... (``Format.load``)
+                        row, d_at = builder.gep(first, [builder.mul(j, ld)]), d0
+                    else:
+                        row, d_at = builder.gep(first, [builder.add(builder.mul(j, ld), d0)]), ir.Constant(i64, 0)
                     if width > 1:
                         for c in range(parts):
-                            at = builder.add(ahead, ir.Constant(i64, c * width))
+                            at = builder.add(ahead, builder.add(d_at, ir.Constant(i64, c * width)))
                             _emit_prefetch(builder, builder.gep(row, [at]))
                     if block:  # parts * width elements, one block of ``narrow``
                         fmt = FORMATS[narrow]
                         vs = fmt.widen_block(builder, _load(builder, row, ir.Constant(i64, 0), fmt.block))
                     else:
-                        vs = [_load_widened(builder, row, ir.Constant(i64, c * width), width, narrow) for c in range(parts)]
+                        vs = [_load_widened(builder, row, builder.add(d_at, ir.Constant(i64, c * width)), width, narrow)
+                              for c in range(parts)]
                     ws = [builder.load(builder.gep(p_row, [j])) for p_row in p_rows]
                     if width > 1:
                         ws = [_broadcast(builder, w, width) for w in ws]

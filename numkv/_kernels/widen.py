@@ -169,6 +169,52 @@ def _widen_e4m3fn_block(builder, x):
 # -- the formats decode's loops read in place ----------------------------------------------
 
 
+def _load_quantized(builder, row, at, width, fmt):
+    """IR: elements ``at .. at + width`` of the quantised row of bytes ``row``
+    (``fmt``, ``QUANT_FORMATS``) as float32: q8_0 / q4_0 times their block's
+    float16 scale (the block of 32 holding them: ``at`` is a multiple of
+    ``width``, which divides 32), int8 / int4 the codes."""
+    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+    c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+    vec = (lambda elem: ir.VectorType(elem, width)) if width > 1 else (lambda elem: elem)
+
+    def load(offset, n):
+        ty = ir.VectorType(i8, n) if n > 1 else i8
+        return builder.load(builder.bitcast(builder.gep(row, [offset]), ty.as_pointer()), align=1)
+
+    scale = None
+    if fmt in ("q8_0", "q4_0"):
+        block = builder.mul(builder.lshr(at, c64(5)), c64(2 + QUANT_BLOCK if fmt == "q8_0" else 2 + QUANT_BLOCK // 2))
+        bits = builder.load(builder.bitcast(builder.gep(row, [block]), i16.as_pointer()), align=1)
+        scale = _widen_ir(builder, bits, "f16", has_f16c())
+        within = builder.and_(at, c64(QUANT_BLOCK - 1))
+        if fmt == "q8_0":
+            codes = load(builder.add(block, builder.add(within, c64(2))), width)
+        else:  # byte j holds elements j (low nibble) and j + 16 (high)
+            packed = load(builder.add(block, builder.add(builder.and_(within, c64(15)), c64(2))), width)
+            shift = builder.trunc(builder.shl(builder.lshr(within, c64(4)), c64(2)), i8)
+            shift = _broadcast(builder, shift, width) if width > 1 else shift
+            codes = builder.sub(builder.and_(builder.lshr(packed, shift), _splat(vec(i8), 15)), _splat(vec(i8), 8))
+    elif fmt == "int8":
+        codes = load(at, width)
+    else:  # int4: byte at // 2, the even element low
+        if width == 1:
+            byte = load(builder.lshr(at, c64(1)), 1)
+            shift = builder.trunc(builder.shl(builder.and_(at, c64(1)), c64(2)), i8)
+            codes = builder.sub(builder.and_(builder.lshr(byte, shift), ir.Constant(i8, 15)), ir.Constant(i8, 8))
+        else:
+            packed = load(builder.lshr(at, c64(1)), width // 2)
+            half_ty = ir.VectorType(i8, width // 2)
+            low, high = builder.and_(packed, _splat(half_ty, 15)), builder.lshr(packed, _splat(half_ty, 4))
+            order = [i // 2 + (width // 2) * (i % 2) for i in range(width)]
+            codes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), width), order))
+            codes = builder.sub(codes, _splat(vec(i8), 8))
+    values = builder.sitofp(codes, vec(ir.FloatType()))
+    if scale is not None:
+        values = builder.fmul(values, _broadcast(builder, scale, width) if width > 1 else scale)
+    return values
+
+
 @dataclass(frozen=True)
 class Format:
     """A K/V format the decode loops read in place, widening as they load.
@@ -180,7 +226,12 @@ class Format:
     ``block``, ``widen_block(builder, <block x iN>) -> [<16 x float>, ...]``
     and ``block_cpu()``: a wider widening of ``block`` elements (one run of
     ``decode_loops.AXPY_RUN_VECTORS`` float32 vectors) that the loops over
-    four query rows take where ``block_cpu()`` says the CPU can."""
+    four query rows take where ``block_cpu()`` says the CPU can.
+    ``load(builder, row, at, width)``: for a format whose element ``at`` is
+    not ``at * bits / 8`` bytes into its row (the quantised ones, whose
+    blocks hold a scale beside their codes), the IR of its elements ``at ..
+    at + width`` as float32 from the row's first byte ``row``: the loops
+    then hand it the row's start and the element index (``widen`` unused)."""
 
     code: int
     bits: int
@@ -189,6 +240,7 @@ class Format:
     block: int = 0
     widen_block: Callable = None
     block_cpu: Callable = None
+    load: Callable = None
 
 
 FORMATS = {  # in this order in every loop's switch (``decode_loops._per_format``)
@@ -197,6 +249,9 @@ FORMATS = {  # in this order in every loop's switch (``decode_loops._per_format`
     "e4m3fn": Format(E4M3FN, 8, _widen_e4m3fn, needs_f16c=True,
                      block=E4M3FN_BLOCK, widen_block=_widen_e4m3fn_block, block_cpu=has_vbmi),
     "e5m2": Format(E5M2, 8, _widen_e5m2, needs_f16c=True),
+    # The quantised formats (``layout.QUANT_FORMATS``), read by ``_load_quantized``.
+    **{name: Format(Q8_0 + i, 8, None, load=functools.partial(_load_quantized, fmt=name))
+       for i, name in enumerate(QUANT_FORMATS)},
 }
 # The narrow K/V dtypes float32 decode's loops read in place (``_kv_tile``,
 # ``decode_loops._per_format``): code -> (format, bits an element).
@@ -213,7 +268,10 @@ def _widen_ir(builder, bits, narrow, f16c):
 
 def _load_widened(builder, row, at, width, narrow):
     """IR: ``width`` elements (a vector, or a scalar for 1) from ``row[at]``,
-    widened from format ``narrow`` (None: as they are)."""
+    widened from format ``narrow`` (None: as they are); a format with a
+    ``load`` of its own: elements ``at ..`` of the row that starts at ``row``."""
+    if narrow is not None and FORMATS[narrow].load is not None:
+        return FORMATS[narrow].load(builder, row, at, width)
     elem = row.type.pointee
     ty = ir.VectorType(elem, width) if width > 1 else elem
     value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
