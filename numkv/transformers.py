@@ -48,14 +48,18 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
-from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function,
-                                        causal_mask_function, sdpa_mask)
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    sdpa_mask,
+)
 
 import numkv as _numkv
 
 from .cache import StaticKVCache
 
-__all__ = ["register", "KVCache", "MaskSpec", "attention_forward", "numkv_mask"]
+__all__ = ["KVCache", "MaskSpec", "attention_forward", "numkv_mask", "register"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 # The cache formats KVCache takes: float formats store the model's keys as
@@ -114,8 +118,18 @@ class MaskSpec:
     # spec back to ``numkv_mask``, which returns it as it is.
     ndim = 4
 
-    __slots__ = ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "causal", "window",
-                 "padding", "_dense_kwargs", "_rows")
+    __slots__ = (
+        "_dense_kwargs",
+        "_rows",
+        "batch_size",
+        "causal",
+        "kv_length",
+        "kv_offset",
+        "padding",
+        "q_length",
+        "q_offset",
+        "window",
+    )
 
     def __init__(self, batch_size, q_length, kv_length, q_offset, kv_offset, causal, window, padding,
                  dense_kwargs):
@@ -241,21 +255,17 @@ class _NoBackward(torch.autograd.Function):
                                   "attn_implementation='sdpa' or 'eager'")
 
 
-# Keyword arguments transformers passes that change nothing here.
-_IGNORED = frozenset(["position_ids", "cache_position", "use_cache", "output_attentions",
-                      "output_hidden_states", "return_dict", "sliding_window", "layer_idx",
-                      "position_embeddings", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                      "max_length_k", "is_causal"])
-
-
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                      softcap: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
     """The attention function numkv registers (transformers' ``AttentionInterface``).
 
     ``query (B, Hq, Sq, D)``, ``key`` / ``value (B, Hkv, Skv, D)`` (GQA by
     the head counts), ``attention_mask`` a ``MaskSpec``, a bool or additive
-    float mask broadcasting to ``(B, Hq, Sq, Skv)``, or None.  ``scaling``
+    float mask broadcasting to ``(B, Hq, Sq, Skv)``, or None (then causal as
+    sdpa: ``is_causal``, else ``module.is_causal``, for more than one query,
+    top-left).  ``scaling``
     and ``softcap`` as in transformers' eager attention (softcap before the
     mask).  Returns ``(Y, None)``, ``Y (B, Sq, Hq, Dv)`` a transposed view of
     numkv's output.  The sliding window comes from the mask, as in eager and
@@ -267,8 +277,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"numkv's attention does not take {name} (attention sinks / biases)")
     q = as_numpy(query, "query")
-    args = dict(scale=scaling, softcap=0.0 if softcap is None else softcap)
+    args = {"scale": scaling, "softcap": 0.0 if softcap is None else softcap}
     layer = getattr(key, "_numkv_layer", None)
+    if layer is not None and not layer.holds(key) and layer.quantised:
+        raise ValueError("key is a stale view of a quantised KVCache layer (the cache changed since)")
     if layer is not None and layer.holds(key):
         inputs = layer.cache.attention_inputs()
         k, v = inputs.pop("K"), inputs.pop("V")
@@ -276,7 +288,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     else:
         k, v = as_numpy(key, "key"), as_numpy(value, "value")
         inputs = {}
-        _plain_mask(attention_mask, q.shape[2], k.shape[2], getattr(module, "is_causal", True), inputs, args)
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        _plain_mask(attention_mask, q.shape[2], k.shape[2], causal, inputs, args)
     y = _numkv.attention(q, k, v, **inputs, **args)
     out = as_tensor(y).transpose(1, 2)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):

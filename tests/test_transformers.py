@@ -18,17 +18,24 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import numkv  # noqa: E402
-import numkv.transformers as nt  # noqa: E402
-from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, LlamaConfig,  # noqa: E402
-                          Qwen2Config, StaticCache)
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    LlamaConfig,
+    Qwen2Config,
+    StaticCache,
+)
+
+import numkv
+import numkv.transformers as nt
 
 NAME = nt.register()
 # initializer_range 0.1, not the default 0.02: with 0.02 the scores are ~1e-3,
 # attention is near uniform and a softcap of 1 changes nothing (dropping it
 # moved gemma2's logits by 1.3e-5; with 0.1, by 2.8).
-SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "max_position_embeddings": 256, "initializer_range": 0.1}
 CONFIGS = {
     "llama-gqa": lambda: LlamaConfig(num_hidden_layers=2, **SMALL),
     # layers 1 and 2 slide over the last 4 positions; layer 0 does not
@@ -130,7 +137,7 @@ def test_comparison_can_fail(family, wrong, cache_kind, monkeypatch):
     else:
         real = numkv.attention
         monkeypatch.setattr(numkv, "attention", lambda *a, **k: real(*a, **{**k, "softcap": 0.0}))
-    differ, err = mismatch(family, cache_kind)
+    _differ, err = mismatch(family, cache_kind)
     assert err > TOL
 
 
@@ -229,7 +236,7 @@ def test_bfloat16(family, wrong, calls, monkeypatch):
     cache = nt.KVCache(m.config, 2, 32, dtype="bfloat16")
     err_numkv = float((_bf16_logits(m, cache) - ref).abs().max())
     assert (err_numkv <= 1.5 * err_eager) != wrong, (err_numkv, err_eager)
-    (q, k, v), kwargs, y = calls[-1]
+    (q, k, _v), _kwargs, y = calls[-1]
     assert q.dtype == k.dtype == y.dtype == np.dtype("bfloat16")
     assert _pointer(k) == _pointer(cache.layers[-1].cache.key_buffer)
 

@@ -58,50 +58,54 @@ def _time(fn, min_seconds):
 def attention_part(contexts, samples, min_seconds):
     rng = np.random.default_rng(0)
     b, hq, hkv, d = 1, 32, 8, 64
-    g = hq // hkv
     print(f"attention alone: B={b} Hq={hq} Hkv={hkv} D={d} one query, float32, "
           f"{samples} interleaved samples of >= {min_seconds} s, medians")
     print("ratios: numkv's time over the faster torch variant's")
     print(f"{'context':>8} {'sdpa packed':>17} {'sdpa enable_gqa':>17} {'numkv contiguous':>17}"
           f" {'numkv KVCache view':>19} {'ratio':>6} {'ratio':>6}")
     for ctx in contexts:
-        capacity = ctx + 64
-        kbuf = rng.standard_normal((b, hkv, capacity, d), np.float32)
-        vbuf = rng.standard_normal((b, hkv, capacity, d), np.float32)
-        k, v = np.ascontiguousarray(kbuf[:, :, :ctx]), np.ascontiguousarray(vbuf[:, :, :ctx])
-        q = rng.standard_normal((b, hq, 1, d), np.float32)
-        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-        packed = tq.reshape(b, hkv, g, d)  # transformers' pack_gqa
-        nonpad = np.array([ctx], np.int64)
+        _attention_context(rng, ctx, b, hq, hkv, d, samples, min_seconds)
 
-        def run_torch():
-            with torch.no_grad():
-                torch.nn.functional.scaled_dot_product_attention(packed, tk, tv)
 
-        def run_gqa():
-            with torch.no_grad():
-                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+def _attention_context(rng, ctx, b, hq, hkv, d, samples, min_seconds):
+    g = hq // hkv
+    capacity = ctx + 64
+    kbuf = rng.standard_normal((b, hkv, capacity, d), np.float32)
+    vbuf = rng.standard_normal((b, hkv, capacity, d), np.float32)
+    k, v = np.ascontiguousarray(kbuf[:, :, :ctx]), np.ascontiguousarray(vbuf[:, :, :ctx])
+    q = rng.standard_normal((b, hq, 1, d), np.float32)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    packed = tq.reshape(b, hkv, g, d)  # transformers' pack_gqa
+    nonpad = np.array([ctx], np.int64)
 
-        def run_plain():
-            numkv.attention(q, k, v)
+    def run_torch():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(packed, tk, tv)
 
-        def run_view():
-            numkv.attention(q, kbuf, vbuf, nonpad_kv_seqlen=nonpad, is_causal=True)
+    def run_gqa():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
 
-        y_t = torch.nn.functional.scaled_dot_product_attention(packed, tk, tv).reshape(b, hq, 1, d).numpy()
-        for y in (numkv.attention(q, k, v), numkv.attention(q, kbuf, vbuf, nonpad_kv_seqlen=nonpad, is_causal=True)):
-            assert np.abs(y - y_t).max() < 1e-5
-        y_g = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True).numpy()
-        assert np.abs(y_g - y_t).max() < 1e-5
-        runs = {"torch": run_torch, "gqa": run_gqa, "plain": run_plain, "view": run_view}
-        times = {name: [] for name in runs}
-        for _ in range(samples):
-            for name, fn in runs.items():
-                times[name].append(_time(fn, min_seconds))
-        t, tg, p, w = (_median_ms(times[n]) for n in runs)
-        best = min(t, tg)
-        print(f"{ctx:>8} {t * 1e3:>14.1f} us {tg * 1e3:>14.1f} us {p * 1e3:>14.1f} us {w * 1e3:>16.1f} us"
-              f" {p / best:>5.2f}x {w / best:>5.2f}x")
+    def run_plain():
+        numkv.attention(q, k, v)
+
+    def run_view():
+        numkv.attention(q, kbuf, vbuf, nonpad_kv_seqlen=nonpad, is_causal=True)
+
+    y_t = torch.nn.functional.scaled_dot_product_attention(packed, tk, tv).reshape(b, hq, 1, d).numpy()
+    for y in (numkv.attention(q, k, v), numkv.attention(q, kbuf, vbuf, nonpad_kv_seqlen=nonpad, is_causal=True)):
+        assert np.abs(y - y_t).max() < 1e-5
+    y_g = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True).numpy()
+    assert np.abs(y_g - y_t).max() < 1e-5
+    runs = {"torch": run_torch, "gqa": run_gqa, "plain": run_plain, "view": run_view}
+    times = {name: [] for name in runs}
+    for _ in range(samples):
+        for name, fn in runs.items():
+            times[name].append(_time(fn, min_seconds))
+    t, tg, p, w = (_median_ms(times[n]) for n in runs)
+    best = min(t, tg)
+    print(f"{ctx:>8} {t * 1e3:>14.1f} us {tg * 1e3:>14.1f} us {p * 1e3:>14.1f} us {w * 1e3:>16.1f} us"
+          f" {p / best:>5.2f}x {w / best:>5.2f}x")
 
 
 def _model():
