@@ -136,10 +136,40 @@ def _dynamic_bytes(cache):
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
+class _Clock:
+    """Seconds spent in the caches' ``update`` and in the attention
+    functions during a step (wrappers of ~1 us a call)."""
+
+    def __init__(self, names):
+        from transformers import AttentionInterface
+
+        self.update = self.attention = 0.0
+        mapping = AttentionInterface._global_mapping
+        for name in names:
+            mapping[name] = self._timed(mapping[name], "attention")
+
+    def _timed(self, fn, field):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+
+        return timed
+
+    def watch(self, cache):
+        cache.update = self._timed(cache.update, "update")  # the instance's, which the model calls
+
+    def reset(self):
+        self.update = self.attention = 0.0
+
+
 def step_part(contexts, samples):
     from transformers import DynamicCache
 
     name = nt.register()
+    clock = _Clock(["sdpa", name])
     model = _model()
     impls = [("sdpa + DynamicCache", "sdpa", lambda ctx: DynamicCache(config=model.config)),
              ("numkv + KVCache float32", name, lambda ctx: nt.KVCache(model.config, 1, ctx + 8))]
@@ -150,22 +180,27 @@ def step_part(contexts, samples):
         print(f"(q8_0 not measured: {exc})")
     print(f"decode step, Llama-3.2-1B shapes (vocab 1024), float32, {torch.get_num_threads()} torch threads, "
           f"{numkv.get_num_threads()} numkv threads; {samples} interleaved samples, medians")
-    print(f"{'context':>8} {'implementation':<26} {'step':>10} {'ratio':>6} {'cache bytes':>14}")
+    print("step: the whole forward; update: the caches' update (append / torch.cat); attention: the attention "
+          "functions")
+    print(f"{'context':>8} {'implementation':<26} {'step':>10} {'ratio':>6} {'update':>10} {'attention':>10}"
+          f" {'cache bytes':>14}")
     for ctx in contexts:
         caches = []
         for label, impl, make in impls:
             cache = make(ctx)
             _fill(cache, model, ctx)
+            clock.watch(cache)
             caches.append(cache)
         token = torch.tensor([[7]])
         position = torch.tensor([[ctx]])
-        times = [[] for _ in impls]
+        times, updates, attentions = ([[] for _ in impls] for _ in range(3))
         logits = [None] * len(impls)
         for sample in range(samples + 1):  # the first round warms up (compiles numkv)
             for i, ((label, impl, _), cache) in enumerate(zip(impls, caches)):
                 model.set_attn_implementation(impl)
                 assert model.config._attn_implementation == impl
                 gc.collect()
+                clock.reset()
                 start = time.perf_counter()
                 with torch.no_grad():
                     out = model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
@@ -175,11 +210,14 @@ def step_part(contexts, samples):
                 logits[i] = out.logits
                 if sample:
                     times[i].append(elapsed)
+                    updates[i].append(clock.update)
+                    attentions[i].append(clock.attention)
         base = _median_ms(times[0])
         for i, ((label, _, _), cache) in enumerate(zip(impls, caches)):
             nbytes = cache.nbytes if isinstance(cache, nt.KVCache) else _dynamic_bytes(cache)
             t = _median_ms(times[i])
-            print(f"{ctx:>8} {label:<26} {t:>7.1f} ms {t / base:>5.2f}x {nbytes:>14,}")
+            u, a = _median_ms(updates[i]), _median_ms(attentions[i])
+            print(f"{ctx:>8} {label:<26} {t:>7.1f} ms {t / base:>5.2f}x {u:>7.1f} ms {a:>7.1f} ms {nbytes:>14,}")
         err = float((logits[1] - logits[0]).abs().max())
         print(f"{'':>8} max |logits numkv float32 - sdpa| = {err:.2e}")
         del caches
