@@ -6,6 +6,7 @@ shapes.
     python tools/hf_decode_step.py                      # both parts, 2k and 16k contexts
     python tools/hf_decode_step.py --part attention --contexts 2048 8192
     python tools/hf_decode_step.py --part step --contexts 2048 16384 --samples 7
+    python tools/hf_decode_step.py --part attention --threads 1
 
 The model: 16 layers, hidden 2048, 32 query / 8 key-value heads of 64,
 intermediate 8192, as Llama-3.2-1B, but a vocabulary of 1024 (not 128256:
@@ -58,8 +59,9 @@ def _time(fn, min_seconds):
 def attention_part(contexts, samples, min_seconds):
     rng = np.random.default_rng(0)
     b, hq, hkv, d = 1, 32, 8, 64
-    print(f"attention alone: B={b} Hq={hq} Hkv={hkv} D={d} one query, float32, "
-          f"{samples} interleaved samples of >= {min_seconds} s, medians")
+    print(f"attention alone: B={b} Hq={hq} Hkv={hkv} D={d} one query, float32, {torch.get_num_threads()} torch "
+          f"threads, {numkv.get_num_threads()} numkv threads; {samples} interleaved samples of >= {min_seconds} s, "
+          f"medians")
     print("ratios: numkv's time over the faster torch variant's")
     print(f"{'context':>8} {'sdpa packed':>17} {'sdpa enable_gqa':>17} {'numkv contiguous':>17}"
           f" {'numkv KVCache view':>19} {'ratio':>6} {'ratio':>6}")
@@ -230,7 +232,11 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, nargs="+", default=None)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--min-seconds", type=float, default=0.2, help="per attention sample")
+    parser.add_argument("--threads", type=int, default=None, help="torch's and numkv's (default: theirs)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        numkv.set_num_threads(args.threads)
     if args.part in ("attention", "both"):
         attention_part(args.contexts or [2048, 8192], args.samples * 3, args.min_seconds)
     if args.part in ("step", "both"):
