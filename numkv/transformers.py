@@ -264,10 +264,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``query (B, Hq, Sq, D)``, ``key`` / ``value (B, Hkv, Skv, D)`` (GQA by
     the head counts), ``attention_mask`` a ``MaskSpec``, a bool or additive
     float mask broadcasting to ``(B, Hq, Sq, Skv)``, or None (then causal as
-    sdpa: ``is_causal``, else ``module.is_causal``, for more than one query,
-    top-left).  ``scaling``
-    and ``softcap`` as in transformers' eager attention (softcap before the
-    mask).  Returns ``(Y, None)``, ``Y (B, Sq, Hq, Dv)`` a transposed view of
+    in sdpa: ``is_causal``, else ``module.is_causal``, top-left, for more
+    than one query).  ``scaling`` and ``softcap`` as in transformers' eager
+    attention (softcap before the mask).  Returns ``(Y, None)``, ``Y (B, Sq, Hq, Dv)`` a transposed view of
     numkv's output.  The sliding window comes from the mask, as in eager and
     sdpa (the ``sliding_window`` keyword is what flash attention reads).
     """
