@@ -141,6 +141,54 @@ def test_comparison_can_fail(family, wrong, cache_kind, monkeypatch):
     assert err > TOL
 
 
+def _chunked_logits(m, cache_kind, wrong_causal=False):
+    """Logits of a left-padded prompt fed in two chunks of 5 and 3 (the
+    second chunk's queries attend the first chunk's keys and, causally, each
+    other), then one decode step."""
+    cache = make_cache(cache_kind, m)
+    steps = torch.tensor([[30], [31]])
+    mask = torch.cat([MASK, torch.ones(2, 1, dtype=MASK.dtype)], 1)
+    with torch.no_grad():
+        first = m(input_ids=IDS[:, :5], attention_mask=MASK[:, :5], cache=cache).logits
+        second = m(input_ids=IDS[:, 5:], attention_mask=MASK, cache=cache).logits
+        step = m(input_ids=steps, attention_mask=mask, cache=cache).logits
+    return torch.cat([first, second, step], 1)[mask.bool()]
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "kvcache"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_chunked_prefill_equals_eager(family, cache_kind, monkeypatch):
+    """Several queries after a past (the causal diagonal at an offset): the
+    same logits as eager; with numkv's is_causal dropped, not."""
+    ref = _chunked_logits(model(family, "eager"), "dynamic")
+    assert float((_chunked_logits(model(family, NAME), cache_kind) - ref).abs().max()) < TOL
+    real = numkv.attention
+    monkeypatch.setattr(numkv, "attention", lambda *a, **k: real(*a, **{**k, "is_causal": False}))
+    assert float((_chunked_logits(model(family, NAME), cache_kind) - ref).abs().max()) > TOL
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "kvcache"])
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2-sliding"])
+def test_unpadded_batch_equals_eager(family, cache_kind, calls):
+    """No padding: decode steps of full layers pass numkv no mask and no
+    lengths (one query attends every key)."""
+    def run(m, kind):
+        with torch.no_grad():
+            out = m.generate(input_ids=IDS[1:], max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0,
+                             cache=make_cache(kind, m, batch=1))
+        return out.sequences, torch.stack(out.logits)
+
+    tokens_e, logits_e = run(model(family, "eager"), "dynamic")
+    tokens_n, logits_n = run(model(family, NAME), cache_kind)
+    assert (tokens_e == tokens_n).all()
+    assert float((logits_e - logits_n).abs().max()) < TOL
+    assert all("attn_mask" not in kwargs for _, kwargs, _ in calls)
+    if cache_kind == "dynamic":
+        bare = [kwargs for _, kwargs, _ in calls if "nonpad_kv_seqlen" not in kwargs]
+        assert bare and all(not kwargs.get("is_causal") for kwargs in bare)
+
+
 def test_kvcache_serves_eager_attention():
     """A float KVCache is a plain transformers Cache: eager attention over it
     gives what it gives over a DynamicCache."""
