@@ -7,6 +7,7 @@ shapes.
     python tools/hf_decode_step.py --part attention --contexts 2048 8192
     python tools/hf_decode_step.py --part step --contexts 2048 16384 --samples 7
     python tools/hf_decode_step.py --part attention --threads 1
+    NUMBA_CACHE_DIR=$(mktemp -d) python tools/hf_decode_step.py --part first-call
 
 The model: 16 layers, hidden 2048, 32 query / 8 key-value heads of 64,
 intermediate 8192, as Llama-3.2-1B, but a vocabulary of 1024 (not 128256:
@@ -226,9 +227,33 @@ def step_part(contexts, samples):
         gc.collect()
 
 
+def first_call_part():
+    """The first ``generate`` of a tiny Llama with a KVCache (prefill with a
+    padding mask, decode steps, appends): numkv's kernels compile here.  Run
+    with ``NUMBA_CACHE_DIR=$(mktemp -d)`` for the time from an empty cache."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    name = nt.register()
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                           cache=nt.KVCache(model.config, 2, 32))
+        seconds.append(time.perf_counter() - start)
+    print("first generate (tiny Llama, KVCache, left-padded batch of 2, 8 new tokens): "
+          + ", then ".join(f"{s:.2f} s" for s in seconds))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["attention", "step", "both"], default="both")
+    parser.add_argument("--part", choices=["attention", "step", "both", "first-call"], default="both")
     parser.add_argument("--contexts", type=int, nargs="+", default=None)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--min-seconds", type=float, default=0.2, help="per attention sample")
@@ -237,6 +262,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
         numkv.set_num_threads(args.threads)
+    if args.part == "first-call":
+        first_call_part()
     if args.part in ("attention", "both"):
         attention_part(args.contexts or [2048, 8192], args.samples * 3, args.min_seconds)
     if args.part in ("step", "both"):
