@@ -199,6 +199,47 @@ def test_kvcache_serves_eager_attention():
     assert float((logits_d - logits_k).abs().max()) < 1e-5
 
 
+def test_contract_spelling_past_key_values():
+    """API.md's spelling, model.generate(..., past_key_values=cache) (transformers 5
+    calls it ``cache`` and warns about the old name)."""
+    m = model("gemma2-softcap", NAME)
+    cache = nt.KVCache(m.config, 2, 32)
+    with torch.no_grad(), pytest.warns(FutureWarning, match="past_key_values"):
+        out = m.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
+                         pad_token_id=0, past_key_values=cache)
+    tokens_e, _ = generate(model("gemma2-softcap", "eager"), "dynamic")
+    assert (out == tokens_e).all()
+    assert cache.get_seq_length() == IDS.shape[1] + NEW - 1
+
+
+class _FloatAsQuantised(numkv.StaticKVCache):
+    """A stand-in for numkv's quantised cache until it lands: takes "q8_0"
+    and stores float32, so that KVCache's quantised path (tensors of NaN
+    handed to the model, the buffers read by numkv's attention function)
+    runs and its results can be compared with eager's."""
+
+    def __init__(self, *args, dtype, **kwargs):
+        super().__init__(*args, dtype=np.float32 if dtype == "q8_0" else dtype, **kwargs)
+
+
+def test_quantised_path_reads_the_cache_not_the_tensors(monkeypatch):
+    monkeypatch.setattr(nt, "StaticKVCache", _FloatAsQuantised)
+    tokens_e, logits_e = generate(model("qwen2-sliding", "eager"), "dynamic")
+    m = model("qwen2-sliding", NAME)
+    cache = nt.KVCache(m.config, 2, 32, dtype="q8_0")
+    assert cache.layers[0].quantised
+    with torch.no_grad():
+        out = m.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, cache=cache)
+    assert (out.sequences == tokens_e).all()
+    assert float((torch.stack(out.logits) - logits_e).abs().max()) < TOL
+    # What update hands the model holds no keys: attention that reads it gets NaN.
+    with torch.no_grad():
+        eager = model("qwen2-sliding", "eager")
+        logits = eager(input_ids=IDS, attention_mask=MASK, cache=nt.KVCache(m.config, 2, 32, dtype="q8_0")).logits
+    assert torch.isnan(logits).all()
+
+
 def _pointer(array):
     return array.__array_interface__["data"][0]
 
