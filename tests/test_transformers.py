@@ -189,6 +189,78 @@ def test_unpadded_batch_equals_eager(family, cache_kind, calls):
         assert bare and all(not kwargs.get("is_causal") for kwargs in bare)
 
 
+MASK_CASES = {
+    # name: (q_length, kv_length, q_offset, kv_offset, window, padded)
+    "causal-prefill": (6, 6, 0, 0, None, False),
+    "causal-padded": (6, 6, 0, 0, None, True),
+    "past-padded": (3, 9, 6, 0, None, True),
+    "sliding-padded": (6, 6, 0, 0, 3, True),
+    "sliding-kv-offset": (2, 5, 6, 3, 4, True),  # a DynamicCache sliding layer past its window
+    "static-capacity": (2, 12, 4, 0, None, True),  # a StaticCache: keys past the filled prefix
+}
+
+
+def _mask_form_error(case, form):
+    from transformers.masking_utils import (
+        causal_mask_function,
+        eager_mask,
+        sdpa_mask,
+        sliding_window_causal_mask_function,
+    )
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    sq, skv, q_offset, kv_offset, window, padded = MASK_CASES[case]
+    B, Hq, Hkv, D = 2, 8, 2, 16
+    torch.manual_seed(1)
+    query = torch.randn(B, sq, Hq, D).transpose(1, 2)
+    key, value = torch.randn(B, Hkv, skv, D) * 2, torch.randn(B, Hkv, skv, D)
+    total = max(q_offset + sq, kv_offset + skv)
+    padding = torch.ones(B, total, dtype=torch.bool)
+    if padded:
+        padding[0, :3] = False
+    args = {"batch_size": B, "q_length": sq, "kv_length": skv, "q_offset": q_offset, "kv_offset": kv_offset,
+            "attention_mask": padding,
+            "mask_function": causal_mask_function if window is None else sliding_window_causal_mask_function(window)}
+    dense = sdpa_mask(**args, allow_is_causal_skip=False)
+    mask = {"spec": lambda: nt.numkv_mask(**args), "sdpa-bool": lambda: dense,
+            "eager-float": lambda: eager_mask(**args)}[form]()
+    assert isinstance(mask, nt.MaskSpec) == (form == "spec")
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = Hq // Hkv, True
+    expected, _ = eager_attention_forward(module.eval(), query, key, value, eager_mask(**args), scaling=0.3,
+                                          softcap=2.0)
+    got, _ = nt.attention_forward(module, query, key, value, mask, scaling=0.3, softcap=2.0)
+    attended = dense.any(-1)[:, 0]  # (B, Sq)
+    assert attended.sum() >= B * sq - 3
+    return float((got - expected)[attended].abs().max())
+
+
+@pytest.mark.parametrize("form", ["spec", "sdpa-bool", "eager-float"])
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_attention_function_equals_eager_for_each_mask_form(case, form, calls):
+    """numkv's attention function against Gemma2's eager one (GQA, softcap),
+    for the mask numkv's mask function describes and for transformers' own
+    dense bool (sdpa) and float (eager) masks of the same pattern.  Rows that
+    attend no key are left out (eager averages V there, numkv gives 0)."""
+    assert _mask_form_error(case, form) < 1e-5
+    kwargs = calls[-1][1]
+    if form == "spec":
+        assert "attn_mask" not in kwargs or kwargs["attn_mask"].shape == (2, 1, 1, MASK_CASES[case][1])
+
+
+@pytest.mark.parametrize("case, wrong", [
+    ("causal-padded", "padding ignored"), ("past-padded", "padding ignored"),
+    ("sliding-padded", "window off by one"), ("sliding-kv-offset", "window off by one"),
+    ("static-capacity", "padding ignored"),
+])
+def test_mask_form_comparison_can_fail(case, wrong, monkeypatch):
+    if wrong == "padding ignored":
+        monkeypatch.setattr(nt.MaskSpec, "key_rows", lambda self, keys: None)
+    else:
+        monkeypatch.setattr(nt, "left_window", lambda window: window)
+    assert _mask_form_error(case, "spec") > 1e-5
+
+
 def test_kvcache_serves_eager_attention():
     """A float KVCache is a plain transformers Cache: eager attention over it
     gives what it gives over a DynamicCache."""
