@@ -469,6 +469,8 @@ class KVCacheLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``b`` becomes row ``beam_idx[b]`` (a copy of the buffers)."""
+        if self.quantised:
+            raise NotImplementedError("reorder_cache (beam search) on a quantised KVCache")
         index = np.asarray(beam_idx.cpu() if isinstance(beam_idx, torch.Tensor) else beam_idx)
         for buf in (self.cache.key_buffer, self.cache.value_buffer):
             buf[...] = buf[index]
@@ -536,9 +538,9 @@ class KVCache(Cache):
     -----
     With ``attn_implementation="numkv"`` attention reads each row's filled
     prefix of the buffers in place through ``nonpad_kv_seqlen``.  A float
-    cache also serves transformers' eager / sdpa attention (its ``update``
-    returns the filled prefix, as a DynamicCache does); a quantised one only
-    numkv's.  Sliding-window layers keep every position and apply the
+    cache of the model's dtype also serves transformers' eager / sdpa
+    attention (its ``update`` returns the filled prefix, as a DynamicCache
+    does); one of another dtype, or a quantised one, only numkv's.  Sliding-window layers keep every position and apply the
     window in attention.  ``crop(n)`` as transformers' (``n < 0`` drops the
     last ``-n`` tokens; ``n >= 0`` keeps the first ``n``), lengths only.
     """

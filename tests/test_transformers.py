@@ -432,6 +432,19 @@ def test_crop_and_seq_length():
     assert cache.get_seq_length() == 0
 
 
+def test_float16_cache_of_a_float32_model_stores_the_rounded_keys():
+    """Keys are cast to the cache's dtype once, on append: layer 0's keys
+    (which no attention precedes) are a DynamicCache's, rounded to float16."""
+    m = model("llama-gqa", NAME)
+    cache, dynamic = nt.KVCache(m.config, 2, 32, dtype="float16"), DynamicCache(config=m.config)
+    with torch.no_grad():
+        for c in (cache, dynamic):
+            m(input_ids=IDS, attention_mask=MASK, cache=c)
+    stored = cache.layers[0].cache.key_buffer[:, :, :8]
+    assert stored.dtype == np.float16
+    assert np.array_equal(stored, dynamic.layers[0].keys.numpy().astype(np.float16))
+
+
 def test_nbytes_and_repr():
     m = model("llama-gqa", NAME)
     cache = nt.KVCache(m.config, 2, 32, dtype="float16")
