@@ -420,6 +420,27 @@ def test_per_tensor_scales_and_a_float16_query(fmt):
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("key", [(slice(None), slice(None), slice(None, None, -1)),
+                                 (slice(None), slice(None, None, 2), slice(3, None, 3)),
+                                 (slice(1, None), slice(None), slice(5, 60))],
+                         ids=["reversed-seq", "every-other-head-seq-step-3", "batch-and-seq-range"])
+def test_strided_quantized_views_are_read_in_place(fmt, key):
+    """Views with negative and stepped strides along the batch, head and
+    sequence axes: the kernel reads them through their strides (decode's
+    loops and the tiles alike) and gets attention over their dequantised values."""
+    rng = np.random.default_rng(zlib.crc32(f"{fmt}{key}".encode()))
+    x = rng.standard_normal((3, 4, 70, 64)).astype(np.float32)
+    k = quantize(x, fmt, scale=_scale_for(fmt, x))[key]
+    v = quantize(x[:, :, ::-1] * 2, fmt, scale=_scale_for(fmt, x * 2))[key]
+    hq = 2 * k.shape[1]
+    for sq, kwargs in ((1, {}), (20, dict(is_causal=True))):
+        q = rng.standard_normal((k.shape[0], hq, sq, 64)).astype(np.float32)
+        np.testing.assert_allclose(numkv.attention(q, k, v, **kwargs),
+                                   numkv.attention(q, k.dequantize(), v.dequantize(), **kwargs),
+                                   rtol=ATTN_TOL, atol=ATTN_TOL)
+
+
 def test_quantized_attention_can_fail():
     """The comparison sees a scale off by one block: V's scales rolled along
     the blocks (what reading the wrong block's scale would give)."""
