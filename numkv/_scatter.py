@@ -6,12 +6,19 @@ strings) and empty caches take the plain NumPy path (slice assignments), which
 tests can force with ``_config.REFERENCE``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Optional
+
 import numpy as np
 
 from . import _config
 from ._runtime import pool
 from ._dtypes import ALIGNED_UNITS, flat_units, is_object_dtype, is_scatter_dtype, unit_size
 from ._validate import as_array, as_int, as_output, index_vector, normalize_axis, output_array
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 MODES = ("linear", "circular")
 _IS_CIRCULAR = {mode: mode == "circular" for mode in MODES}
@@ -34,35 +41,91 @@ def _scatter_kernels():
     return _kernels
 
 
-def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="linear", out=None):
-    """Write ``update`` into ``past_cache`` along ``axis`` at per-batch-row
-    ``write_indices`` (ONNX TensorScatter, opset 24).
+def tensor_scatter(
+    past_cache: ArrayLike,
+    update: ArrayLike,
+    write_indices: Optional[ArrayLike] = None,
+    *,
+    axis: int = -2,
+    mode: Literal["linear", "circular"] = "linear",
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Write ``update`` into a cache along its sequence axis, at each batch
+    row's own position (ONNX TensorScatter, opset 24).
+
+    For batch row ``b`` and ``i < sequence_length``, position
+    ``write_indices[b] + i`` of ``past_cache[b]`` along ``axis`` (modulo
+    ``max_sequence_length`` in ``"circular"`` mode) takes ``update[b]``'s
+    position ``i``; every other element is ``past_cache``'s.  Bits are
+    copied exactly (NaN payloads, -0.0), in every dtype.
 
     Parameters
     ----------
-    past_cache : ndarray, shape ``(batch, D1, ..., max_sequence_length, ..., Dn)``
-    update : ndarray, ``past_cache``'s shape and dtype except ``sequence_length <=
-        max_sequence_length`` along ``axis``
-    write_indices : int array of shape ``(batch,)``, optional
-        Where each batch row's update starts; zeros when omitted.  In
-        ``"circular"`` mode taken modulo ``max_sequence_length`` (negative too).
+    past_cache : array_like, shape ``(batch, D1, ..., max_sequence_length, ..., Dn)``
+        The cache, ``max_sequence_length`` along ``axis``.  Any dtype of ONNX
+        TensorScatter: bool, integers, float16/32/64, complex, strings
+        (``U``, object) and the ``ml_dtypes`` types (bfloat16, the float8s,
+        float4_e2m1fn, int4, uint4).  Strided views are written in place.
+    update : array_like, shape ``(batch, D1, ..., sequence_length, ..., Dn)``
+        ``past_cache``'s shape but along ``axis``, where ``sequence_length <=
+        max_sequence_length``; ``past_cache``'s dtype (no casting).
+    write_indices : array_like of int32 or int64, shape ``(batch,)``, optional
+        Where each batch row's update starts; zeros when omitted.  Linear mode:
+        ``0 <= write_indices[b] <= max_sequence_length - sequence_length``.
+        Circular mode: any value, taken modulo ``max_sequence_length``.
     axis : int, default -2
         The sequence axis; may be negative, must not be the batch axis 0.
-    mode : ``"linear"`` or ``"circular"``
+    mode : {"linear", "circular"}, default "linear"
+        ``"circular"`` wraps writes around the end of the sequence axis (a
+        sliding-window cache).
     out : ndarray, optional
-        ``None``: a new array (``past_cache`` is not modified).  ``past_cache``
-        itself: updated in place in O(update) time.  Any other array of the same
-        shape and dtype receives ``past_cache`` with the update applied.
+        ``None``: the result is a new array and ``past_cache`` is not
+        modified.  ``past_cache`` itself: the cache is updated in place in
+        O(update) time (how a KV cache is appended to).  Any other array of
+        ``past_cache``'s shape and dtype receives ``past_cache`` with the
+        update applied.
 
     Returns
     -------
-    ndarray
-        ``present_cache`` (``out`` when given).
+    ndarray, shape ``past_cache.shape``
+        ``present_cache``: ``out`` itself when given, else a new array.
 
     Raises
     ------
-    TypeError, ValueError
-        On bad input, before anything is written.
+    TypeError
+        A non-array argument, ``update`` (or ``out``) of another dtype than
+        ``past_cache``, a non-integer ``write_indices`` or ``axis``.
+    ValueError
+        Shapes that do not match, ``axis`` out of range or 0, an unknown
+        ``mode``, a linear write outside the cache (the message names the
+        batch row), a read-only ``out``.  Raised before anything is
+        written: a failed in-place call leaves the cache as it was.
+
+    See Also
+    --------
+    numkv.StaticKVCache : a KV cache that appends with this function.
+
+    Examples
+    --------
+    Append one token per batch row to a ``(batch, heads, max_seq, head_dim)``
+    cache, each row at its own length, in place:
+
+    >>> import numpy as np, numkv
+    >>> cache = np.zeros((2, 1, 4, 2), np.float32)
+    >>> token = np.ones((2, 1, 1, 2), np.float32)
+    >>> lengths = np.array([0, 2])
+    >>> numkv.tensor_scatter(cache, token, lengths, out=cache) is cache
+    True
+    >>> cache[:, 0, :, 0]
+    array([[1., 0., 0., 0.],
+           [0., 0., 1., 0.]], dtype=float32)
+
+    Without ``out`` the cache is left alone; circular mode wraps:
+
+    >>> new = numkv.tensor_scatter(cache, 2 * token, np.array([-1, 5]), mode="circular")
+    >>> new[:, 0, :, 0]
+    array([[1., 0., 0., 2.],
+           [0., 2., 1., 0.]], dtype=float32)
     """
     # A decode loop repeats one layout, and a 1-token append is pure call
     # overhead: everything that depends only on dtypes, shapes and strides is
@@ -70,11 +133,12 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     # ``out`` is returned as given (a matrix, a torch tensor); the work is done
     # on plain ndarray views of everything.
     result = out
-    in_place = out is past_cache
+    # (``out is past_cache`` alone would call ``tensor_scatter(None, u)`` in place.)
+    in_place = out is past_cache and out is not None
     if type(past_cache) is not np.ndarray:
-        past_cache = as_output(past_cache, "past_cache") if in_place else as_array(past_cache, "past_cache")
+        past_cache = as_output(past_cache, "past_cache") if in_place else _as_input(past_cache, "past_cache")
     if type(update) is not np.ndarray:
-        update = as_array(update, "update")
+        update = _as_input(update, "update")
     if type(axis) is not int:
         axis = as_int(axis, "axis")
     circular = _IS_CIRCULAR.get(mode) if type(mode) is str else None
@@ -134,6 +198,15 @@ def tensor_scatter(past_cache, update, write_indices=None, *, axis=-2, mode="lin
     # Small copies stay on the calling thread (cheaper than handing out shares).
     pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
     return result
+
+
+def _as_input(value, name):
+    """``as_array`` (lists too), but None is a ``TypeError`` naming the
+    argument (NumPy would make it a 0-d object array, then a rank error)."""
+    if value is None:
+        raise TypeError(f"{name} must be an array (numpy.ndarray, or an object with __dlpack__ or "
+                        f"__array__), got None")
+    return as_array(value, name)
 
 
 _layouts = {}  # layout key -> (axis, max_seq, seq_len, plan, bytes written, work items); a few per cache in use

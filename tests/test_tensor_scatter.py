@@ -645,6 +645,25 @@ def test_the_kernel_reads_a_private_copy_of_write_indices(rng, monkeypatch):
     assert seen and not np.shares_memory(seen[0], w)
 
 
+@pytest.mark.parametrize("form", ["functional", "out=other"])
+def test_a_none_cache_is_not_taken_for_an_in_place_call(form):
+    """``tensor_scatter(None, u)`` is a functional call (``out is past_cache``
+    only because both are None): the error names ``past_cache`` as an input,
+    not as a cache "written in place" (nor blames ``out``'s dtype)."""
+    update = _update()
+    out = None if form == "functional" else _cache()
+    out_before = None if out is None else out.copy()
+    with pytest.raises(TypeError) as info:
+        numkv.tensor_scatter(None, update, out=out)
+    message = str(info.value)
+    assert message.startswith("past_cache must be an array") and message.endswith("got None"), message
+    assert "in place" not in message
+    if out is not None:
+        assert same_bits(out, out_before)
+    with pytest.raises(TypeError, match="^update must be an array .* got None$"):
+        numkv.tensor_scatter(_cache(), None)
+
+
 @pytest.mark.parametrize("case", [
     pytest.param(dict(w=np.array([0, 1, 2, 6])), id="linear-last-fits"),
     pytest.param(dict(update=_update(seq=10)), id="update-as-long"),
