@@ -193,6 +193,18 @@ def test_keep_mask_matches_attended():
     assert (bench_cases.keep_mask(w).sum(axis=-1)[:, 0] == w.attended()).all()
 
 
+def test_causal_without_an_external_cache_attends_from_the_top_left():
+    """Sq < Skv, is_causal, no nonpad_kv_seqlen: numkv's offset is 0 (API.md),
+    and the bench's mask and work formulas follow it (they assumed Skv - Sq)."""
+    w = Workload("causal prefill", 1, 4, 2, 3, 8, 16, True)
+    assert w.attended().tolist() == [[1, 2, 3]]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 3, 16), np.float32)
+    k = rng.standard_normal((1, 2, 8, 16), np.float32)
+    np.testing.assert_array_equal(numkv.attention(q, k, k, is_causal=True),
+                                  numkv.attention(q, k, k, attn_mask=bench_cases.keep_mask(w)))
+
+
 # -- the report ------------------------------------------------------------------------
 
 def _case(name="case", peers=2, fail=True, work=1e6, limit="gemm"):

@@ -152,8 +152,11 @@ class Workload:
         valid = self.valid_lengths()[:, None]
         if not self.is_causal:
             return np.broadcast_to(valid, (self.batch, self.q_len)).copy()
+        # The causal offset (API.md): nonpad_kv_seqlen[b] - Sq with an external
+        # cache, else 0 (top-left).
+        offset = valid - self.q_len if self.nonpad is not None else 0
         rows = np.arange(self.q_len)[None, :]
-        return np.clip(rows + valid - self.q_len + 1, 0, valid)
+        return np.clip(rows + offset + 1, 0, valid)
 
     def flops(self):
         return float(self.q_heads * self.attended().sum() * 2 * (self.head_size + self.v_head_size))
