@@ -136,6 +136,52 @@ def test_narrow_workloads_get_float32_and_narrow_peers(workload):
         assert any("torch" in label and "(bfloat16)" in label for label in labels)
 
 
+@pytest.mark.parametrize("workload", [tiny_decode(), tiny_decode(nonpad=(9, 32)), tiny_decode("bfloat16"),
+                                      Workload("decode", 2, 6, 2, 1, 20, 8, False, "float32", "float8_e4m3fn")],
+                         ids=lambda w: w.id)
+def test_torch_packed_gqa_peer_computes_numkvs_y(workload):
+    """Decode with GQA gets torch's packed peer (each kv head's query heads on
+    the query axis, one call), beside the ``enable_gqa`` one, in float32 and
+    the narrow stand-in; with an external cache as a mask and per row; its Y
+    is numkv's (Hkv = 2, G >= 2: a wrong head map would show)."""
+    pytest.importorskip("torch")
+    result = bench_timing.time_case(bench_cases.attention_case(workload, peers=("numkv", "torch")),
+                                    bench_timing.Settings(1, 0.01, 1))
+    packed = [t for t in result.timings if "GQA packed" in t.impl.label]
+    dtypes = ["float32"] if workload.narrow_dtype is None else ["float32", "bfloat16"]
+    forms = 1 if workload.nonpad is None else 2  # bool mask and K/V sliced per row
+    assert len(packed) == len(dtypes) * forms, [t.impl.label for t in result.timings]
+    for timing in packed:
+        assert timing.seconds is not None, timing.impl.note
+        tolerance = 1e-5 if "(float32)" in timing.impl.label else 2e-2
+        assert timing.max_dy < tolerance, timing.impl.label
+
+
+def test_torch_packed_queries_follow_the_onnx_head_map():
+    """Query head ``h`` is kv head ``h // G``'s row block ``h % G``, and
+    ``_unpacked_heads`` inverts ``_packed_queries``."""
+    torch = pytest.importorskip("torch")
+    b, hq, hkv, sq, d = 2, 6, 2, 3, 4
+    q = torch.arange(b * hq * sq * d, dtype=torch.float32).reshape(b, hq, sq, d)
+    packed = bench_cases._packed_queries(q, hkv)
+    assert packed.shape == (b, hkv, (hq // hkv) * sq, d)
+    for h in range(hq):
+        kv, g = divmod(h, hq // hkv)
+        assert torch.equal(packed[:, kv, g * sq:(g + 1) * sq], q[:, h])
+    assert torch.equal(bench_cases._unpacked_heads(packed, hq, sq), q)
+
+
+def test_no_packed_peer_without_gqa_or_beyond_decode():
+    pytest.importorskip("torch")
+    for workload in (tiny_prefill(), Workload("decode", 1, 2, 2, 1, 16, 8)):
+        assert not any("GQA packed" in i.label for i in bench_cases.attention_impls(workload, peers=("torch",)))
+
+
+def test_the_default_cases_hold_llama_3_2_1b_decode():
+    ids = [case.id for case in bench_cases.default_cases()]
+    assert "decode-Hq32-Hkv8-D64-Skv2048-float32" in ids and "decode-Hq16-Hkv4-D64-Skv1088-float32" in ids
+
+
 def test_numpy_peer_skips_a_large_score_matrix_and_says_so():
     big = Workload("causal prefill", 1, 32, 8, 2048, 2048, 128, True)
     impl = bench_cases._numpy_impl(big, wide=None)
@@ -145,6 +191,18 @@ def test_numpy_peer_skips_a_large_score_matrix_and_says_so():
 def test_keep_mask_matches_attended():
     w = Workload("x", 2, 2, 1, 3, 6, 3, True, nonpad=(5, 2))
     assert (bench_cases.keep_mask(w).sum(axis=-1)[:, 0] == w.attended()).all()
+
+
+def test_causal_without_an_external_cache_attends_from_the_top_left():
+    """Sq < Skv, is_causal, no nonpad_kv_seqlen: numkv's offset is 0 (API.md),
+    and the bench's mask and work formulas follow it (they assumed Skv - Sq)."""
+    w = Workload("causal prefill", 1, 4, 2, 3, 8, 16, True)
+    assert w.attended().tolist() == [[1, 2, 3]]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 3, 16), np.float32)
+    k = rng.standard_normal((1, 2, 8, 16), np.float32)
+    np.testing.assert_array_equal(numkv.attention(q, k, k, is_causal=True),
+                                  numkv.attention(q, k, k, attn_mask=bench_cases.keep_mask(w)))
 
 
 # -- the report ------------------------------------------------------------------------

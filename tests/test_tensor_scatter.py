@@ -26,6 +26,7 @@ from conftest import SCATTER_DTYPES, random_bits, same_bits
 from numkv import _config, _scatter
 from numkv._runtime import pool, thread_count
 from numkv._kernels import scatter as scatter_kernels
+from numba.core import types as numba_types
 
 HUGE = 1 << 62  # PARALLEL_MIN_BYTES that no input reaches: always the serial kernel
 
@@ -643,6 +644,149 @@ def test_the_kernel_reads_a_private_copy_of_write_indices(rng, monkeypatch):
     w = np.array([1, 2], np.int64)
     numkv.tensor_scatter(past, random_values(rng, (2, 3, 1, 2), np.float32), w, out=past)
     assert seen and not np.shares_memory(seen[0], w)
+
+
+@pytest.mark.parametrize("form", ["functional", "out=other"])
+def test_a_none_cache_is_not_taken_for_an_in_place_call(form):
+    """``tensor_scatter(None, u)`` is a functional call (``out is past_cache``
+    only because both are None): the error names ``past_cache`` as an input,
+    not as a cache "written in place" (nor blames ``out``'s dtype)."""
+    update = _update()
+    out = None if form == "functional" else _cache()
+    out_before = None if out is None else out.copy()
+    with pytest.raises(TypeError) as info:
+        numkv.tensor_scatter(None, update, out=out)
+    message = str(info.value)
+    assert message.startswith("past_cache must be an array") and message.endswith("got None"), message
+    assert "in place" not in message
+    if out is not None:
+        assert same_bits(out, out_before)
+    with pytest.raises(TypeError, match="^update must be an array .* got None$"):
+        numkv.tensor_scatter(_cache(), None)
+
+
+# --------------------------------------------------------------------------- the in-place fast path
+#
+# A plain-ndarray in-place call with an int32/int64 write_indices array looks
+# its layout up in ``_scatter._appends`` and skips the general path: batch 1
+# as one NumPy slice assignment, float32 4-D arrays handed to the kernel
+# whole, the rest as unsigned views.  These check it against the oracle, and
+# that a layout it has seen still rejects bad input, writing nothing.
+
+FAST_CASES = [  # (id, cache shape, update seq, dtype, axis)
+    ("float32-B4-whole", (4, 3, 10, 8), 1, np.float32, -2),
+    ("float32-B4-seq3", (4, 3, 10, 8), 3, np.float32, 2),
+    ("float32-B1-slice", (1, 3, 10, 8), 1, np.float32, -2),
+    ("float32-B1-seq4", (1, 3, 10, 8), 4, np.float32, -2),
+    ("bfloat16-B2-views", (2, 3, 10, 8), 1, ml_dtypes.bfloat16, -2),
+    ("uint4-B3", (3, 2, 7, 5), 2, ml_dtypes.uint4, 2),
+    ("complex128-B2", (2, 3, 6, 2), 1, np.complex128, -2),
+    ("float32-rank3-axis1", (2, 9, 12), 1, np.float32, 1),
+    ("float64-B1-rank2", (1, 9), 2, np.float64, -1),
+]
+
+
+@pytest.mark.parametrize("shape, seq, dtype, axis", [pytest.param(*c[1:], id=c[0]) for c in FAST_CASES])
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_fast_path_equals_the_oracle(shape, seq, dtype, axis, mode, rng, monkeypatch):
+    """Repeated in-place appends (the layout cached after the first) through
+    every branch of the fast path: bit-exact against the oracle, int32 and
+    int64 indices, circular writes that wrap, read-only and strided updates."""
+    monkeypatch.setattr(_config, "REFERENCE", False)
+    ax = axis % len(shape)
+    max_seq = shape[ax]
+    update_shape = list(shape)
+    update_shape[ax] = seq
+    cache = random_values(rng, shape, dtype)
+    expected = cache.copy()
+    for step in range(6):
+        batch = shape[0]
+        if mode == "linear":
+            w = rng.integers(0, max_seq - seq + 1, batch)
+        else:
+            w = rng.integers(-2 * max_seq, 2 * max_seq, batch)
+            if step % 2:
+                w[0] = max_seq - 1  # wraps whenever seq > 1
+        w = w.astype(np.int32 if step % 2 else np.int64)
+        update = random_values(rng, tuple(update_shape), dtype)
+        if step == 3:
+            update.flags.writeable = False
+        if step == 4:  # a strided view of a bigger array (not C-contiguous)
+            update = np.repeat(update, 2, axis=-1)[..., ::2] if update.ndim > 2 else update
+        expected = oracle.tensor_scatter(expected, np.array(update), w, axis=axis, mode=mode)
+        assert numkv.tensor_scatter(cache, update, w, axis=axis, mode=mode, out=cache) is cache
+        assert same_bits(cache, expected), f"step {step}, write_indices {w}"
+
+
+@pytest.mark.parametrize("shape, seq, dtype, axis", [pytest.param(*c[1:], id=c[0]) for c in FAST_CASES])
+def test_fast_path_rejects_bad_input_on_a_known_layout(shape, seq, dtype, axis, rng, monkeypatch):
+    """After a valid call has cached the layout, bad input still raises the
+    general path's error and leaves the cache byte-identical."""
+    monkeypatch.setattr(_config, "REFERENCE", False)
+    ax = axis % len(shape)
+    max_seq, batch = shape[ax], shape[0]
+    update_shape = list(shape)
+    update_shape[ax] = seq
+    cache = random_values(rng, shape, dtype)
+    update = random_values(rng, tuple(update_shape), dtype)
+    numkv.tensor_scatter(cache, update, np.zeros(batch, np.int64), axis=axis, out=cache)  # caches the layout
+    last = batch - 1
+    over = np.zeros(batch, np.int64)
+    over[last] = max_seq - seq + 1
+    negative = np.zeros(batch, np.int32)
+    negative[last] = -1
+    other = np.complex64 if np.dtype(dtype) != np.complex64 else np.complex128
+    bad = [
+        (dict(w=over), ValueError,
+         f"write_indices[{last}] = {max_seq - seq + 1}: {max_seq - seq + 1} + sequence_length {seq} "
+         f"> max_sequence_length {max_seq}"),
+        (dict(w=negative), ValueError, f"write_indices[{last}] = -1 is negative (linear mode)"),
+        (dict(w=np.zeros(batch, np.float64)), TypeError, "write_indices must be an integer array"),
+        (dict(w=np.zeros(batch + 1, np.int64)), ValueError, "write_indices must have shape (batch_size,)"),
+        (dict(w=np.zeros((batch, 1), np.int64)), ValueError, "write_indices must have shape (batch_size,)"),
+        (dict(update=np.zeros(update.shape, other)), TypeError, "(no implicit casting)"),
+        (dict(mode="wrap"), ValueError, "mode must be 'linear' or 'circular'"),
+        (dict(axis=0), ValueError, "is the batch axis"),
+        (dict(axis=float(axis)), TypeError, "axis must be an integer"),
+        (dict(read_only=True), ValueError, "out (= past_cache) is read-only"),
+    ]
+    for case, exc, message in bad:
+        case = dict(case)
+        w = case.pop("w", np.zeros(batch, np.int64))
+        target = cache.copy()
+        if case.pop("read_only", False):
+            target.flags.writeable = False
+        before = target.copy()
+        kwargs = {"axis": axis, "mode": "linear", **case}
+        with pytest.raises(exc, match=re.escape(message)):
+            numkv.tensor_scatter(target, kwargs.pop("update", update), w, out=target, **kwargs)
+        assert same_bits(target, before), f"a failed call wrote into the cache: {case}"
+
+
+def test_fast_path_copies_an_update_that_overlaps_the_cache(rng):
+    """An update that is a view of the cache itself goes through a copy (the
+    general path), as before: in place equals the oracle on the old values."""
+    cache = random_values(rng, (2, 3, 10, 4), np.float32)
+    for w in (np.array([5, 0]), np.array([2, 6])):
+        update = cache[:, :, 3:5]
+        expected = oracle.tensor_scatter(cache.copy(), update.copy(), w)
+        assert numkv.tensor_scatter(cache, update, w, out=cache) is cache
+        assert same_bits(cache, expected)
+
+
+def test_whole_float32_arrays_compile_one_variant(rng, monkeypatch):
+    """The fast path hands 4-D float32 arrays to the kernel whole (no view
+    objects): one more compiled variant of ``scatter_items``, whatever the
+    shape, and none for other dtypes or ranks (each costs ~1 s cold)."""
+    monkeypatch.setattr(_config, "REFERENCE", False)
+    for shape in ((2, 3, 10, 4), (4, 8, 64, 16), (1, 2, 5, 3), (3, 1, 7, 2)):
+        for seq in (1, 3):
+            cache = random_values(rng, shape, np.float32)
+            update = random_values(rng, shape[:2] + (seq,) + shape[3:], np.float32)
+            numkv.tensor_scatter(cache, update, np.zeros(shape[0], np.int64), out=cache)
+    whole = [s for s in scatter_kernels.scatter_items.signatures if s[2].dtype == numba_types.float32]
+    assert {(s[2].ndim, s[3].ndim, s[4].ndim) for s in whole} == {(4, 4, 4)}
+    assert all(s[2].dtype == numba_types.float32 or s[2].ndim == 1 for s in scatter_kernels.scatter_items.signatures)
 
 
 @pytest.mark.parametrize("case", [

@@ -28,7 +28,12 @@ Implementations (each returns Y; its first call is never timed):
   "failed", and no float8 one: float16 stands in, exact for float8_e4m3fn).
 * torch: ``scaled_dot_product_attention(..., enable_gqa=True)``, float32 and the
   narrow dtype (bfloat16 standing in for float8); an external cache as a boolean
-  mask and, for decode, as K/V sliced to each row's length.
+  mask and, for decode, as K/V sliced to each row's length.  For decode with
+  GQA also "packed": each kv head's ``G`` query heads on the query axis, Q as
+  ``(B, Hkv, G * Sq, D)`` against K/V ``(B, Hkv, Skv, D)``, one call without
+  ``enable_gqa`` that reads each kv head once (what numkv's decode does); a
+  mask is tiled ``G`` times along the query axis (row ``g * Sq + i`` is query
+  ``i``), so causal and external-cache masks stay right.
 * onnx.reference (the executable spec) and NumPy's materialised
   matmul-softmax-matmul, float32 only: both build the ``(B, Hq, Sq, Skv)`` score
   matrix, so they are skipped (and the line says so) above ``REFERENCE_MAX_SCORES``
@@ -147,8 +152,11 @@ class Workload:
         valid = self.valid_lengths()[:, None]
         if not self.is_causal:
             return np.broadcast_to(valid, (self.batch, self.q_len)).copy()
+        # The causal offset (API.md): nonpad_kv_seqlen[b] - Sq with an external
+        # cache, else 0 (top-left).
+        offset = valid - self.q_len if self.nonpad is not None else 0
         rows = np.arange(self.q_len)[None, :]
-        return np.clip(rows + valid - self.q_len + 1, 0, valid)
+        return np.clip(rows + offset + 1, 0, valid)
 
     def flops(self):
         return float(self.q_heads * self.attended().sum() * 2 * (self.head_size + self.v_head_size))
@@ -243,8 +251,10 @@ def decode_workloads():
     cap = max(EXTERNAL_CACHE_LENGTHS)
     loads.append(Workload("external-cache decode", len(EXTERNAL_CACHE_LENGTHS), HQ, HKV, 1, cap, D,
                           True, nonpad=EXTERNAL_CACHE_LENGTHS))
-    # A decode step of a transformers-sized model (Qwen2.5-0.5B-like heads).
+    # Decode steps of transformers-sized models: Qwen2.5-0.5B-like heads, and
+    # Llama-3.2-1B's (32 query heads, 8 kv heads, head size 64).
     loads.append(Workload("decode", 1, 16, 4, 1, 1088, 64))
+    loads.append(Workload("decode", 1, 32, 8, 1, 2048, 64))
     return loads
 
 
@@ -270,6 +280,10 @@ def attention_impls(w, threads=None, peers=PEERS):
             impls.append(_torch_impl(w, wide, name, sliced=False))
             if w.nonpad is not None and w.q_len == 1:
                 impls.append(_torch_impl(w, wide, name, sliced=True))
+            if w.q_len == 1 and w.q_heads > w.kv_heads:  # decode with GQA
+                impls.append(_torch_impl(w, wide, name, sliced=False, packed=True))
+                if w.nonpad is not None:
+                    impls.append(_torch_impl(w, wide, name, sliced=True, packed=True))
     if "onnx.reference" in peers and have("onnx") and w.narrow_dtype is None:
         impls.append(_reference_impl(w, wide))
     if "numpy" in peers:
@@ -414,33 +428,67 @@ def keep_mask(w):
     return (keys < first_excluded)[:, None]
 
 
-def _torch_impl(w, wide, dtype_name, sliced):
+def _torch_impl(w, wide, dtype_name, sliced, packed=False):
+    """torch's ``scaled_dot_product_attention`` on ``w``: GQA through
+    ``enable_gqa``, or ``packed`` (``_packed_queries``); an external cache as
+    a boolean mask, or ``sliced``: one call per batch row over its valid keys."""
     import torch
 
     how = ", K/V sliced per row" if sliced else (", bool mask" if w.nonpad is not None else "")
-    label = f"torch {torch.__version__} sdpa{how} ({dtype_name})"
+    gqa = ", GQA packed on the query axis" if packed else ""
+    label = f"torch {torch.__version__} sdpa{gqa}{how} ({dtype_name})"
 
     def make():
         tq, tk, tv = (_torch_tensor(a, dtype_name) for a in wide)
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        group = w.q_heads // w.kv_heads
+        if packed:
+            tq = _packed_queries(tq, w.kv_heads)
+
+            def attend(q, k, v, mask=None):  # one call, each kv head read once
+                y = sdpa(q, k, v, attn_mask=mask, scale=w.head_size ** -0.5)
+                return _unpacked_heads(y, w.q_heads, w.q_len)
+        else:
+            def attend(q, k, v, mask=None, is_causal=False):
+                return sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
         if sliced:  # decode over each row's valid prefix, one call per row
             lengths = w.valid_lengths().tolist()
 
             def call():
                 with torch.inference_mode():
-                    return torch.cat([sdpa(tq[b:b + 1], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n], enable_gqa=True)
+                    return torch.cat([attend(tq[b:b + 1], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])
                                       for b, n in enumerate(lengths)])
             return call
         keep = keep_mask(w)
+        if packed:
+            mask = None if keep is None else torch.from_numpy(np.tile(keep, (1, 1, group, 1)))
+
+            def call():
+                with torch.inference_mode():
+                    return attend(tq, tk, tv, mask)
+            return call
         mask = None if keep is None else torch.from_numpy(keep)
         causal = w.is_causal and mask is None  # torch's is_causal is top-left: only with Sq == Skv
 
         def call():
             with torch.inference_mode():
-                return sdpa(tq, tk, tv, attn_mask=mask, is_causal=causal, enable_gqa=True)
+                return attend(tq, tk, tv, mask, causal)
         return call
 
     return _attempt(label, "torch", make, w.work(dtype_name, dtype_name))
+
+
+def _packed_queries(q, kv_heads):
+    """``(B, Hq, Sq, D)`` as ``(B, Hkv, G * Sq, D)``: query head ``kv * G + g``
+    (ONNX's GQA map, ``kv_head = q_head // G``) at rows ``g * Sq ..`` of kv
+    head ``kv`` (a view: Q is contiguous)."""
+    b, hq, sq, d = q.shape
+    return q.reshape(b, kv_heads, (hq // kv_heads) * sq, d)
+
+
+def _unpacked_heads(y, q_heads, q_len):
+    """``_packed_queries``' inverse on Y: ``(B, Hkv, G * Sq, Dv)`` -> ``(B, Hq, Sq, Dv)``."""
+    return y.reshape(y.shape[0], q_heads, q_len, y.shape[-1])
 
 
 # -- NumPy: the textbook materialised attention ------------------------------------

@@ -16,7 +16,9 @@ six arguments to dispatch (a 1-token append is pure call overhead):
 
 so any strides (transposed, sliced, negative) are read in place.  With
 ``contiguous`` set every array's columns are ``arange(R)`` and runs are copied
-with unit stride.
+with unit stride.  The wrapper's in-place fast path may pass whole
+C-contiguous float32 arrays instead of flat buffers: ``_units`` views them
+as flat uint32 here.
 
 Preconditions (checked by the wrapper): every offset is in bounds,
 ``write_indices`` is a private int64 copy with one entry per batch row, in
@@ -31,13 +33,16 @@ copied as one run.
 """
 
 import numpy as np
+from numba import types
+from numba.extending import overload
+
 from .._config import jit
 
 HEADER = 10
 
 
 @jit()
-def scatter_items(first, stop, dst, upd, src, plan, write_indices, circular):
+def scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circular):
     """Work items ``first .. stop`` (of ``n_items(plan)``): write ``upd`` into
     ``dst`` at ``(write_indices[b] + i) % max_seq``.
 
@@ -45,7 +50,11 @@ def scatter_items(first, stop, dst, upd, src, plan, write_indices, circular):
     written (in place, O(update)).  ``copy_all`` 1: every position is written,
     from ``upd`` where it is updated and from ``src`` elsewhere (the functional
     form in a single pass).
+
+    The arrays are flat unsigned buffers, or (the in-place fast path) whole
+    C-contiguous float32 arrays, viewed here as flat uint32 (see ``_units``).
     """
+    dst, upd, src = _units(dst_in), _units(upd_in), _units(src_in)
     n_rows, n_cols, seq_len, max_seq = plan[0], plan[1], plan[2], plan[3]
     copy_all, contiguous = plan[4] != 0, plan[5] != 0
     dst_seq, upd_seq, src_seq, chunk = plan[6], plan[7], plan[8], plan[9]
@@ -54,6 +63,18 @@ def scatter_items(first, stop, dst, upd, src, plan, write_indices, circular):
     rows = HEADER
     batch_of = rows + 3 * n_rows
     cols = batch_of + n_rows
+    if seq_len == 1 and contiguous and not copy_all:
+        # A 1-token append (decode): one run of ``n_cols`` units per row, no
+        # wrap.  The general loop below spends ~6 ns an item deciding what
+        # this branch knows: the kernel's work (its dispatch aside) at 32 rows
+        # of 512 bytes, 0.67 -> 0.49 us, a median of interleaved CPU times.
+        upd_rows = rows + n_rows
+        for p in range(first, stop):
+            start = write_indices[plan[batch_of + p]]
+            if circular:
+                start %= max_seq
+            _copy_units(dst, plan[rows + p] + start * dst_seq, upd, plan[upd_rows + p], n_cols)
+        return
     n_pos = max_seq if copy_all else seq_len
     n_chunks = (n_pos + chunk - 1) // chunk
     for k in range(first, stop):
@@ -128,3 +149,20 @@ def _gather_units(dst, d0, a, a0, plan, dst_cols, a_cols, n_cols):
     """One position's ``n_cols`` units through the plan's column offset tables."""
     for r in range(n_cols):
         dst[d0 + plan[dst_cols + r]] = a[a0 + plan[a_cols + r]]
+
+
+def _units(a):
+    """``a`` as the flat unsigned units the kernel moves (numba: the overload)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_units, inline="always")
+def _units_overload(a):
+    """A C-contiguous float32 array of any rank as flat uint32 (a view), what
+    the wrapper's in-place fast path passes: NumPy's ``ravel().view()`` of the
+    cache and the update cost that path ~0.6 us of its ~3.5 (two new arrays,
+    each also unboxed fresh by numba's dispatcher).  Anything else arrives
+    flat and unsigned already."""
+    if isinstance(a.dtype, types.Float) and a.dtype.bitwidth == 32 and a.layout == "C" and a.ndim > 1:
+        return lambda a: a.reshape(-1).view(np.uint32)
+    return lambda a: a
