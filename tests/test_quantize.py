@@ -307,6 +307,59 @@ def test_the_tile_widening_gives_the_dequantised_values(fmt, f16c):
             assert np.array_equal(out[1:], want), (dtype, np.abs(out[1:] - want).max())
 
 
+@pytest.mark.parametrize("f16c", [True, False], ids=["f16c", "no-f16c"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_loops_read_quantized_rows_in_place(fmt, f16c):
+    """Decode's loops (``decode_loops._axpy``, the value update, and
+    ``_dots``, the scores) over quantised rows in place: a row added with
+    weight 1 to zeros is its dequantised values exactly; a score is the dot
+    product with them (to float32 rounding), for one and for four query
+    rows.  Compiled afresh with F16C forced on or off."""
+    from numba import njit
+
+    from numkv._kernels import cpu, decode_loops, layout
+
+    if f16c and not cpu.has_f16c():
+        pytest.skip("this CPU has no F16C")
+    d = 128 if fmt in BLOCK_FORMATS else 104  # int8 / int4: whole vectors, then a tail
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((8, d)) * 10.0 ** rng.uniform(-3, 2, (8, 1))).astype(np.float32)
+    q = quantize(x, fmt, scale=None if fmt in BLOCK_FORMATS else np.float32(1.0) / 16)
+    want = q.dequantize(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
+    storage = np.ascontiguousarray(q.storage).view(np.uint8)
+    ld = np.uint64(storage.shape[-1])
+    code = layout.Q8_0 + layout.QUANT_FORMATS.index(fmt)
+    query = rng.standard_normal((4, d)).astype(np.float32)
+
+    @njit
+    def run(rows, ld, q, code, values, scores, ones):
+        zero = np.uint64(0)
+        width = np.uint64(q.shape[1])
+        n = values.shape[0]
+        for j in range(n):  # one row a call, and the same row into four accumulators
+            decode_loops._axpy(values[j, 0], (zero,), ones, (zero,), rows, np.uint64(j) * ld, ld, zero, 1,
+                               q.shape[1], code)
+            decode_loops._axpy(values[j, 1:].reshape(-1), (zero, width, width + width, width + width + width), ones,
+                               (zero, zero, zero, zero), rows, np.uint64(j) * ld, ld, zero, 1, q.shape[1], code)
+        qf = q.reshape(-1)
+        for j in range(0, n, 4):
+            k_at = (np.uint64(j) * ld, np.uint64(j + 1) * ld, np.uint64(j + 2) * ld, np.uint64(j + 3) * ld)
+            s = np.uint64(j)
+            decode_loops._dots(scores[0], (s,), 4, qf, (zero,), rows, k_at, q.shape[1], code)
+            decode_loops._dots(scores[1], (s, s + np.uint64(n), s + np.uint64(2 * n), s + np.uint64(3 * n)), 4, qf,
+                               (zero, width, width + width, width + width + width), rows, k_at, q.shape[1], code)
+
+    values = np.zeros((8, 5, d), np.float32)
+    scores = np.full((2, 4 * 8), np.nan, np.float32)
+    with cpu.forcing(f16c=f16c):
+        run(storage.reshape(-1), ld, query, np.int64(code), values, scores, np.ones(4, np.float32))
+    for r in range(5):
+        assert np.array_equal(values[:, r], want), r
+    dots = query.astype(np.float64) @ want.T  # (4 rows, 8 keys)
+    np.testing.assert_allclose(scores[0, :8], dots[0], rtol=1e-5, atol=1e-5 * np.abs(dots).max())
+    np.testing.assert_allclose(scores[1].reshape(4, 8), dots, rtol=1e-5, atol=1e-5 * np.abs(dots).max())
+
+
 # -- numkv.attention reads QuantizedArray K / V in the kernel ---------------------------------
 #
 # The answer is numkv.attention over K.dequantize(), V.dequantize() (float32

@@ -109,7 +109,7 @@ from .widen import _itemsize, _kv_tile, _widen_rows
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "ab792cfd463b83002ee73d97d5a334c45ff8b584fbbddbd7839ca38ab2637f31"
+HELPERS_SHA256 = "d1d935e4f3870cc8506d7d09e27611387ba9e9c6882addbcedc4858959d4b306"
 
 
 # -- work items --------------------------------------------------------------------------

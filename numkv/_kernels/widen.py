@@ -186,15 +186,20 @@ def _load_quantized(builder, row, at, width, fmt):
     if fmt in ("q8_0", "q4_0"):
         block = builder.mul(builder.lshr(at, c64(5)), c64(2 + QUANT_BLOCK if fmt == "q8_0" else 2 + QUANT_BLOCK // 2))
         bits = builder.load(builder.bitcast(builder.gep(row, [block]), i16.as_pointer()), align=1)
+        if width > 1 and has_f16c():  # the bits in every lane, then F16C's conversion: a scale vector
+            bits = _broadcast(builder, bits, width)
         scale = _widen_ir(builder, bits, "f16", has_f16c())
         within = builder.and_(at, c64(QUANT_BLOCK - 1))
         if fmt == "q8_0":
             codes = load(builder.add(block, builder.add(within, c64(2))), width)
         else:  # byte j holds elements j (low nibble) and j + 16 (high)
             packed = load(builder.add(block, builder.add(builder.and_(within, c64(15)), c64(2))), width)
-            shift = builder.trunc(builder.shl(builder.lshr(within, c64(4)), c64(2)), i8)
-            shift = _broadcast(builder, shift, width) if width > 1 else shift
-            codes = builder.sub(builder.and_(builder.lshr(packed, shift), _splat(vec(i8), 15)), _splat(vec(i8), 8))
+            # Both nibbles by constant shifts, then a select: x86 has no byte
+            # shift by a variable amount (LLVM widens it).
+            high = builder.icmp_unsigned("!=", builder.and_(within, c64(16)), c64(0))
+            nibbles = builder.select(high, builder.lshr(packed, _splat(vec(i8), 4)),
+                                     builder.and_(packed, _splat(vec(i8), 15)))
+            codes = builder.sub(nibbles, _splat(vec(i8), 8))
     elif fmt == "int8":
         codes = load(at, width)
     else:  # int4: byte at // 2, the even element low
@@ -211,7 +216,9 @@ def _load_quantized(builder, row, at, width, fmt):
             codes = builder.sub(codes, _splat(vec(i8), 8))
     values = builder.sitofp(codes, vec(ir.FloatType()))
     if scale is not None:
-        values = builder.fmul(values, _broadcast(builder, scale, width) if width > 1 else scale)
+        if width > 1 and not isinstance(scale.type, ir.VectorType):
+            scale = _broadcast(builder, scale, width)
+        values = builder.fmul(values, scale)
     return values
 
 
