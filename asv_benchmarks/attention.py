@@ -10,7 +10,9 @@ sharing Hkv = 8 K/V heads (a Llama-style 4:1 GQA), head_size 128 unless said:
   float16 or bfloat16; ``FullPrefill``: 1024 tokens, no mask, float32.
 * ``Decode``: one query over 1024 ... 16384 cached float32 keys, batch 1 or 8;
   ``KVDtype``: the same over a float16 / bfloat16 / float8_e4m3fn K/V cache
-  (float32 queries); ``ExternalCacheDecode``: a capacity-4096 cache whose rows
+  (float32 queries); ``QuantizedDecode``: the same over a cache quantised by
+  ``numkv.quantize`` (q8_0, q4_0, int8 / int4 per channel: issue 28);
+  ``ExternalCacheDecode``: a capacity-4096 cache whose rows
   hold ``nonpad_kv_seqlen`` tokens, ``is_causal``; ``TransformersDecode``: a
   transformers-sized step (Hq 16, Hkv 4, head_size 64, 1088 keys).
 
@@ -27,7 +29,7 @@ import timeit
 import numpy as np
 
 from ._common import (dtype, numkv_attention, onnx_attention_model, ort_session, randn, require,
-                      reuse, skip_large, warm_once)
+                      require_attr, reuse, skip_large, warm_once)
 
 HQ, HKV, D = 32, 8, 128
 PEERS = ["onnxruntime", "torch"]
@@ -272,6 +274,32 @@ class KVDtypePeers(_PeerTimed, KVDtype):
 
     def _peer_dtype(self, peer, kv_dtype, kv_len):
         return peer_dtype(peer, kv_dtype)
+
+
+class QuantizedDecode(_Timed):
+    """Decode (batch 1, 32:8 heads) with float32 queries over a K/V cache
+    quantised by ``numkv.quantize``: llama.cpp's q8_0 / q4_0 blocks, or int8
+    / int4 with a per-channel scale (onnxruntime's GroupQueryAttention
+    layout), read inside the kernel.  Skipped where numkv has no
+    ``quantize`` (before issue 28)."""
+
+    params = [["q8_0", "q4_0", "int8", "int4"], [4096, 16384]]
+    param_names = ["kv_format", "kv_len"]
+
+    def _inputs(self, kv_format, kv_len):
+        import numkv
+
+        skip_large(kv_len > 4096, "kv_len 16384")
+        quantize = require_attr(numkv, "quantize")
+        self.q, k, v = qkv(1, HQ, HKV, 1, kv_len, D)
+
+        def scale(x):
+            if kv_format in ("q8_0", "q4_0"):
+                return None
+            return (np.abs(x).max(axis=(0, 2), keepdims=True) / (127 if kv_format == "int8" else 7)).astype(np.float32)
+
+        self.k, self.v = (quantize(x, kv_format, scale=scale(x)) for x in (k, v))
+        self.kwargs = {}
 
 
 EXTERNAL_LENGTHS = {"ragged": [1024, 2048, 3072, 4096], "full": [4096] * 4}
