@@ -35,13 +35,19 @@ Nothing here imports numba: this is the wrapper layer (validation, layout,
 NumPy arithmetic); the kernels read the codes in place.
 """
 
+from __future__ import annotations
+
 import math
 import operator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._dtypes import BFLOAT16, is_attention_dtype, is_integer_dtype
 from ._validate import as_array
+
+if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
+    from numpy.typing import ArrayLike, DTypeLike
 
 FORMATS = ("q8_0", "q4_0", "int8", "int4")
 BLOCK = 32  # elements per block of q8_0 / q4_0, along the last axis
@@ -102,7 +108,7 @@ class QuantizedArray:
     # -- construction from parts ------------------------------------------------
 
     @classmethod
-    def from_parts(cls, format, codes, scales):
+    def from_parts(cls, format: str, codes: ArrayLike, scales: ArrayLike) -> QuantizedArray:
         """A ``QuantizedArray`` from its codes and scales as ``.codes`` and
         ``.scales`` describe them (e.g. onnxruntime's ``present_key`` and its
         ``k_scale``).  int8 / int4 codes are viewed, not copied; q8_0 / q4_0
@@ -146,52 +152,52 @@ class QuantizedArray:
     # -- the public view ----------------------------------------------------------
 
     @property
-    def format(self):
+    def format(self) -> str:
         return self._format
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return self._shape
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self._shape)
 
     @property
-    def storage(self):
+    def storage(self) -> np.ndarray:
         return self._storage
 
     @property
-    def codes(self):
+    def codes(self) -> np.ndarray:
         if self._format in BLOCK_BYTES:
             view = self._blocks()[..., 2:]
             return view.view(_INT8) if self._format == "q8_0" else view
         return self._storage
 
     @property
-    def scales(self):
+    def scales(self) -> np.ndarray:
         if self._format in BLOCK_BYTES:
             return self._blocks()[..., :2].view(_FLOAT16)[..., 0]
         return self._scale
 
     @property
-    def per_channel(self):
+    def per_channel(self) -> bool:
         """int8 / int4: whether the scale varies along the heads or channels."""
         return self._format not in BLOCK_BYTES and self._scale.ndim > 0
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         rows = math.prod(self._storage.shape)
         if self._format in BLOCK_BYTES:
             return rows
         return rows + self._scale.nbytes
 
-    def __len__(self):
+    def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d QuantizedArray")
         return self._shape[0]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         kind = ""
         if self._format not in BLOCK_BYTES:
             kind = ", per channel" if self.per_channel else ", per tensor"
@@ -201,12 +207,12 @@ class QuantizedArray:
         s = self._storage
         return s.reshape(s.shape[:-1] + (s.shape[-1] // BLOCK_BYTES[self._format], BLOCK_BYTES[self._format]))
 
-    def scale_view(self):
+    def scale_view(self) -> np.ndarray | None:
         """int8 / int4: the float32 scale broadcast to the logical shape (a
         read-only view with zero strides); None for q8_0 / q4_0."""
         return None if self._scale is None else np.broadcast_to(self._scale, self._shape)
 
-    def dequantize(self, dtype=np.float32):
+    def dequantize(self, dtype: DTypeLike = np.float32) -> np.ndarray:
         """The values as a new array of ``dtype`` (float32 by default;
         float64, float16 or bfloat16 too): ``scale * code``, computed in
         float32 (float64 for float64) and cast once."""
@@ -234,7 +240,7 @@ class QuantizedArray:
             out = values * self._scale.astype(wide)
         return out if out.dtype == dtype else out.astype(dtype)
 
-    def __getitem__(self, key):
+    def __getitem__(self, key) -> QuantizedArray:
         key = _basic_key(key, len(self._shape))
         storage = self._storage[key]
         scale = self._scale
@@ -244,7 +250,7 @@ class QuantizedArray:
         shape = storage.shape[:-1] + (self._shape[-1],)
         return QuantizedArray(self._format, storage, scale, _shape=shape)
 
-    def same_scales(self, other):
+    def same_scales(self, other: QuantizedArray) -> bool:
         """int8 / int4: whether ``other`` has this array's scale (equal values
         where both broadcast)."""
         a, b = self._scale, other._scale
@@ -293,7 +299,7 @@ def _format(format):
     return format
 
 
-def quantize(x, format, *, scale=None):
+def quantize(x: ArrayLike, format: str, *, scale: ArrayLike | None = None) -> QuantizedArray:
     """Quantise ``x`` into integer codes with scales.
 
     Parameters
@@ -330,6 +336,25 @@ def quantize(x, format, *, scale=None):
         A non-float ``x``, an unknown format, a head size the block does not
         divide, a NaN or infinite value, a ``scale`` where none is taken or
         of the wrong shape, NaN, zero or negative: naming the argument.
+
+    Examples
+    --------
+    >>> import numpy as np, numkv
+    >>> k = np.linspace(-1, 1, 2 * 8 * 64, dtype=np.float32).reshape(1, 2, 8, 64)
+    >>> qk = numkv.quantize(k, "q8_0")
+    >>> qk.shape, qk.codes.shape, qk.scales.shape, qk.nbytes
+    ((1, 2, 8, 64), (1, 2, 8, 2, 32), (1, 2, 8, 2), 1088)
+    >>> bool(np.abs(qk.dequantize() - k).max() <= qk.scales.max() / 2)
+    True
+    >>> qk[:, :, :5].shape                  # a view of the first five positions
+    (1, 2, 5, 64)
+    >>> q = np.ones((1, 4, 1, 64), np.float32)
+    >>> y = numkv.attention(q, qk, qk)      # read in the kernel, never dequantised whole
+    >>> bool(np.array_equal(y, numkv.attention(q, qk.dequantize(), qk.dequantize())))
+    True
+    >>> qv = numkv.quantize(k, "int8", scale=np.full((1, 2, 1, 64), 1 / 127, np.float32))
+    >>> qv.codes.dtype, qv.per_channel
+    (dtype('int8'), True)
     """
     return quantize_as(x, format, scale, "x")
 
@@ -504,7 +529,7 @@ def scatter_operands(past_cache, update, out, axis, in_place):
     return past_cache.storage, update.storage, out_storage, wrap
 
 
-def zeros(format, shape):
+def zeros(format: str, shape: tuple[int, ...]) -> QuantizedArray:
     """A q8_0 / q4_0 ``QuantizedArray`` of ``shape`` holding zeros (zero
     codes and scales): a cache's buffer before anything is appended."""
     format = _format(format)

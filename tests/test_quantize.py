@@ -767,3 +767,12 @@ def test_the_bench_holds_the_quantised_decodes_and_they_agree():
         for t in ran[1:]:
             assert t.max_dy is not None and t.max_dy < 1e-5, (case.id, t.impl.label, t.max_dy)
         assert ran[0].impl.work < ran[1].impl.work / 3  # bytes read: codes and scales, not float32
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import numkv._quantize
+
+    result = doctest.testmod(numkv._quantize, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 8 and result.failed == 0, result
