@@ -70,6 +70,8 @@ def _static_cache_dtype(dtype):
 
 
 def _cache_dtype(dtype):
+    if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES:  # (a DynamicKVCache: it grows by copying)
+        raise TypeError(f"dtype {dtype!r}: a quantised cache is a StaticKVCache(..., dtype={dtype!r})")
     try:
         dtype = np.dtype(dtype)
     except TypeError as exc:

@@ -646,11 +646,36 @@ def test_static_cache_quantises_on_append_and_decodes_like_the_dequantised_cache
     np.testing.assert_allclose(np.concatenate(ys, axis=2), want, rtol=ATTN_TOL, atol=ATTN_TOL)
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_a_circular_quantised_cache_decodes_like_a_float_one_holding_the_same_values(fmt, rng):
+    """A sliding-window ring (its attention_inputs() a mask over slots):
+    quantised, and float32 holding the dequantised keys and values, give the
+    same bits through a prefill, the ring's wrap, a crop and more steps."""
+    b, hkv, hq, d = 2, 2, 8, 64
+    cache = numkv.StaticKVCache(b, hkv, 16, d, dtype=fmt, mode="circular", window=12)
+    plain = numkv.StaticKVCache(b, hkv, 16, d, dtype=np.float32, mode="circular", window=12)
+    for t in range(30):
+        n = 5 if t == 0 else 1
+        k, v = (rng.standard_normal((b, hkv, n, d)).astype(np.float32) for _ in range(2))
+        cache.append(k, v)
+        plain.append(quantize(k, fmt).dequantize(), quantize(v, fmt).dequantize())
+        if t == 20:
+            cache.crop(-3)
+            plain.crop(-3)
+            continue
+        q = rng.standard_normal((b, hq, n, d)).astype(np.float32)
+        assert np.array_equal(numkv.attention(q, **cache.attention_inputs()),
+                              numkv.attention(q, **plain.attention_inputs()))
+    assert "dtype=" + fmt in repr(cache) and cache.dtype == fmt
+
+
 def test_quantised_cache_refuses_what_it_cannot_hold(rng):
     with pytest.raises(ValueError, match="head_dim"):
         numkv.StaticKVCache(1, 2, 8, 48, dtype="q8_0")
     with pytest.raises((TypeError, ValueError), match="dtype"):
         numkv.StaticKVCache(1, 2, 8, 64, dtype="q5_0")
+    with pytest.raises(TypeError, match="StaticKVCache"):
+        numkv.DynamicKVCache(dtype="q8_0")
     cache = numkv.StaticKVCache(1, 2, 8, 64, dtype="q4_0")
     before = cache.key_buffer.storage.copy()
     with pytest.raises(TypeError, match="key"):
