@@ -1,4 +1,4 @@
-"""Shared fixtures: a seeded rng, the dtype lists, the hypothesis profile."""
+"""Shared fixtures: a seeded rng, the dtype lists, the cache kinds, the hypothesis profile."""
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +20,8 @@ NUMPY_DTYPES = [
 # Every dtype tensor_scatter takes; strings as fixed-width 'U' and as objects.
 SCATTER_DTYPES = [np.dtype(t) for t in NUMPY_DTYPES + ML_DTYPES] + [np.dtype("U5"), np.dtype(object)]
 FLOAT8_DTYPES = [np.dtype(t) for t in ML_DTYPES[1:6]]
+# The cache kinds: a DynamicKVCache, a StaticKVCache in each mode.
+KINDS = ("dynamic", "static", "circular")
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@
   exclude never influence Y, even when their K or V hold inf or NaN (the one
   deliberate difference from the reference, whose ``0 * inf`` gives NaN).
 * ``scale`` beyond float32's range gives the reference's float32 values.
+* The plain NumPy reference path (``_config.REFERENCE``) keeps the same rules
+  as the kernel (issue 27).
 """
 
 import ml_dtypes
@@ -244,3 +246,73 @@ def test_a_narrow_cache_read_in_place_keeps_the_rules(rng, kv_dtype, value):
     expected = np.zeros((B, HQ, 1), bool)
     expected[0, 2:] = True
     assert (nan_rows(numkv.attention(q, k, v)) == expected).all()
+
+
+# -- the plain NumPy reference path keeps these rules (issue 27) --
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("rule", ["nonpad", "causal", "window", "bool-mask", "float-mask"])
+def test_reference_path_ignores_excluded_non_finite_keys(monkeypatch, rule, value):
+    """Issue 27: with NUMKV_REFERENCE=1, a key excluded by nonpad_kv_seqlen
+    (or mask / causal / window) holding inf or NaN turned every row NaN."""
+    from numkv import _config
+
+    monkeypatch.setattr(_config, "REFERENCE", True)
+    rng = np.random.default_rng(3)
+    sq = 40 if rule == "causal" else 5
+    q = rng.standard_normal((1, 4, sq, 8), np.float32)
+    k = rng.standard_normal((1, 2, 40, 8), np.float32)
+    v = rng.standard_normal((1, 2, 40, 8), np.float32)
+    attrs, excluded, rows = {}, np.zeros(40, bool), slice(None)
+    if rule == "nonpad":
+        attrs["nonpad_kv_seqlen"] = np.array([30])
+        excluded[30:] = True
+    elif rule == "causal":
+        attrs["is_causal"] = True
+        excluded[20:] = True
+        rows = slice(0, 20)
+    elif rule == "window":
+        attrs.update(left_window_size=2, right_window_size=0)
+        excluded[5:] = True
+    else:
+        excluded[10:30] = True
+        mask = ~excluded[None, None, None, :]
+        attrs["attn_mask"] = mask if rule == "bool-mask" else np.where(mask, 0.0, -np.inf).astype(np.float32)
+    clean = numkv.attention(q, k, v, **attrs)[:, :, rows]
+    k[:, :, excluded] = value
+    v[:, :, excluded] = value
+    y = numkv.attention(q, k, v, **attrs)[:, :, rows]
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, clean, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(_config, "REFERENCE", False)  # the kernel agrees
+    np.testing.assert_allclose(numkv.attention(q, k, v, **attrs)[:, :, rows], y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["q", "k-attended", "v-attended", "v-underflowed"])
+def test_reference_path_keeps_the_nan_of_attended_keys(monkeypatch, where):
+    """...while NaN / inf in what a query does attend still reaches its row,
+    as on the kernel's path (an attended key multiplies its V even when its
+    weight underflowed to 0: ``0 * inf``)."""
+    from numkv import _config
+
+    rng = np.random.default_rng(4)
+    q = np.abs(rng.standard_normal((1, 2, 3, 8), np.float32))
+    k = rng.standard_normal((1, 1, 12, 8), np.float32)
+    v = rng.standard_normal((1, 1, 12, 8), np.float32)
+    if where == "q":
+        q[0, 1, 2, 0] = np.nan
+    elif where == "k-attended":
+        k[0, 0, 4, 1] = np.nan
+    elif where == "v-attended":
+        v[0, 0, 4, 1] = np.inf
+    else:
+        k[0, 0, 4] = -1000.0
+        v[0, 0, 4, 1] = np.inf
+    got = {}
+    for reference in (True, False):
+        monkeypatch.setattr(_config, "REFERENCE", reference)
+        got[reference] = numkv.attention(q, k, v)
+    assert np.array_equal(np.isnan(got[True]), np.isnan(got[False]))
+    assert not np.isfinite(got[True]).all()
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)  # inf == inf, nan == nan

@@ -10,17 +10,26 @@
 * circular mode: which slot holds which position, and ``attention_inputs()``
   through ``numkv.attention`` against onnx.reference's windowed attention over
   the keys in absolute-position order, for single and multi-token chunks that
-  wrap around the ring.
+  wrap around the ring;
+* appends whose key and value are views of the cache's own buffers (crossed,
+  overlapping, shifted; hypothesis: random overlaps) store what the views held
+  before the append, for every cache kind (issue 32);
+* a circular cache refuses, before writing, a chunk longer than ``max_chunk``
+  that would overwrite keys its own first queries attend (issue 27);
+* a DynamicKVCache's ``dtype``, what ``seq_lens``' docstring promises, and the
+  caches' reprs.
 """
 
+import copy
 import tracemalloc
 
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import oracle
-from conftest import random_bits, same_bits
+from conftest import KINDS, random_bits, same_bits
 import numkv
 from numkv.cache import DynamicKVCache, StaticKVCache
 
@@ -340,3 +349,167 @@ def test_circular_padding_and_crop_guard(rng):
     with pytest.raises(ValueError, match="cannot|overwrote"):
         cache.crop(5)
     assert cache.seq_lens.tolist() == [6]
+
+
+# -- appends that alias the cache's own buffers (issue 32) --
+
+
+def _cache(kind, batch=2, heads=2, capacity=12, dim=3, window=None):
+    if kind == "dynamic":
+        return DynamicKVCache()
+    mode = "circular" if kind == "circular" else "linear"
+    if kind == "circular" and window is None:
+        window = capacity // 2
+    return StaticKVCache(batch, heads, capacity, dim, mode=mode, window=window)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_crossed_views_of_the_buffers_are_read_before_written(kind):
+    """Issue 32.1: key = a view of the value buffer, value = a view of the key
+    buffer.  The key write overwrote the value's source before it was read."""
+    c = _cache(kind, batch=1, heads=1, capacity=4, dim=2, window=4 if kind == "circular" else None)
+    if kind == "dynamic":
+        c.append(np.zeros((1, 1, 1, 2), np.float32), np.zeros((1, 1, 1, 2), np.float32))
+        c.crop(0)
+    c._k[...] = 1.0
+    c._v[...] = 2.0
+    keys, values = c.append(c._v[:, :, :1], c._k[:, :, :1])  # key holds 2.0, value 1.0
+    assert keys.ravel().tolist() == [2.0, 2.0]
+    assert values.ravel().tolist() == [1.0, 1.0]
+
+
+def test_the_issue_reproducer():
+    c = numkv.StaticKVCache(1, 1, 4, 2)
+    c.key_buffer[...] = 1.0
+    c.value_buffer[...] = 2.0
+    c.append(c.value_buffer[:, :, :1], c.key_buffer[:, :, :1])
+    keys, values = c.get()
+    assert keys.tolist() == [[[[2.0, 2.0]]]] and values.tolist() == [[[[1.0, 1.0]]]]
+
+
+@given(kind=st.sampled_from(KINDS), fill=st.integers(1, 5), new=st.integers(1, 3),
+       key_src=st.sampled_from(["k", "v"]), value_src=st.sampled_from(["k", "v"]),
+       key_shift=st.integers(-4, 4), value_shift=st.integers(-4, 4), seed=st.integers(0, 2 ** 16))
+def test_aliased_appends_store_what_the_views_held(kind, fill, new, key_src, value_src, key_shift,
+                                                   value_shift, seed):
+    """Random overlaps of the new keys / values with either buffer, around
+    the write position (before, across or after it): the result equals
+    appending copies taken before the call."""
+    rng = np.random.default_rng(seed)
+    cache = _cache(kind, capacity=12, window=12 - 3 + 1 if kind == "circular" else None)  # max_chunk 3
+    data = rng.standard_normal((2, 2, fill, 3)).astype(np.float32)
+    cache.append(data, -data)
+    bufs = {"k": cache._k, "v": cache._v}
+    for buf in bufs.values():  # stale slots past the rows' ends hold data too
+        buf[:, :, fill:] = rng.standard_normal(buf[:, :, fill:].shape)
+    capacity = bufs["k"].shape[2]
+    key_at = int(np.clip(fill + key_shift, 0, capacity - new))
+    value_at = int(np.clip(fill + value_shift, 0, capacity - new))
+    key = bufs[key_src][:, :, key_at:key_at + new]
+    value = bufs[value_src][:, :, value_at:value_at + new]
+    expected = copy.deepcopy(cache)
+    want = expected.append(key.copy(), value.copy())
+    got = cache.append(key, value)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(cache.seq_lens, expected.seq_lens)
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_appending_the_buffers_themselves(mode):
+    """The whole buffers (arrays that own their memory) as key and value, crossed."""
+    c = StaticKVCache(1, 1, 3, 2, mode=mode)
+    c.key_buffer[...] = np.arange(6, dtype=np.float32).reshape(1, 1, 3, 2)
+    c.value_buffer[...] = -np.arange(6, dtype=np.float32).reshape(1, 1, 3, 2)
+    k0, v0 = c.key_buffer.copy(), c.value_buffer.copy()
+    keys, values = c.append(c.value_buffer, c.key_buffer)
+    np.testing.assert_array_equal(keys, v0)
+    np.testing.assert_array_equal(values, k0)
+
+
+# -- the ring refuses a chunk it cannot serve, before writing (issue 27) --
+
+
+def test_circular_refuses_a_wrapping_chunk_longer_than_max_chunk():
+    """Issue 27: an append longer than max_chunk that wraps the ring was
+    written (its last keys overwriting keys its first queries need) and only
+    ``attention_inputs()`` refused, too late.  Now the append refuses first."""
+    cache = StaticKVCache(1, 1, 8, 2, mode="circular", window=6)  # max_chunk 3
+    k = np.arange(12, dtype=np.float32).reshape(1, 1, 6, 2)
+    cache.append(k, k)
+    before = (cache._k.copy(), cache._v.copy(), cache.seq_lens)
+    with pytest.raises(ValueError, match="max_chunk = 3.*wraps the circular cache"):
+        cache.append(k[:, :, :4], k[:, :, :4])
+    np.testing.assert_array_equal(cache._k, before[0])
+    np.testing.assert_array_equal(cache._v, before[1])
+    np.testing.assert_array_equal(cache.seq_lens, before[2])
+    cache.append(k[:, :, :3], k[:, :, :3])  # max_chunk positions: served
+    assert cache.attention_inputs()["attn_mask"].shape == (1, 1, 3, 8)
+
+
+# -- a DynamicKVCache's dtype (issue 32) --
+
+
+def test_dynamic_cache_takes_a_dtype():
+    cache = DynamicKVCache(dtype=np.float16)
+    assert cache.dtype == np.float16
+    with pytest.raises(TypeError, match="cache holds float16"):
+        cache.append(np.zeros((1, 1, 1, 2), np.float32), np.zeros((1, 1, 1, 2), np.float32))
+    assert cache.seq_len == 0
+    cache.append(np.zeros((1, 1, 1, 2), np.float16), np.zeros((1, 1, 1, 2), np.float16))
+    cache.reset()
+    assert cache.dtype == np.float16
+
+
+# -- what seq_lens' docstring promises (issue 32) --
+
+
+def test_seq_lens_as_nonpad_kv_seqlen_exactly_where_documented():
+    """``seq_lens`` serves as ``nonpad_kv_seqlen`` with ``is_causal`` after an
+    append without ``lengths``; after a padded one only ``attention_inputs()``
+    is right (seq_lens shifts the diagonal and zeroes real queries)."""
+    rng = np.random.default_rng(8)
+    cache = StaticKVCache(2, 1, 16, 4)
+    q = rng.standard_normal((2, 2, 3, 4)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 3, 4)).astype(np.float32)
+    cache.append(k, k)
+    keys, values = cache.get()
+    right = numkv.attention(q, **cache.attention_inputs())
+    np.testing.assert_allclose(numkv.attention(q, keys, values, nonpad_kv_seqlen=cache.seq_lens, is_causal=True),
+                               right, rtol=1e-6, atol=1e-6)
+    cache.append(k, k, lengths=np.array([3, 1]))  # row 1: one real token, two of padding
+    keys, values = cache.get()
+    right = numkv.attention(q, **cache.attention_inputs())
+    naive = numkv.attention(q, keys, values, nonpad_kv_seqlen=cache.seq_lens, is_causal=True)
+    np.testing.assert_allclose(naive[0], right[0], rtol=1e-6, atol=1e-6)  # the unpadded row agrees
+    assert not np.allclose(naive[1, :, 0], right[1, :, 0])                # row 1's real query does not
+
+
+# -- reprs --
+
+
+def test_static_cache_repr_names_shapes_dtype_mode_and_lengths():
+    cache = numkv.StaticKVCache(2, 8, 1024, 64)
+    kv = np.zeros((2, 8, 5, 64), np.float32)
+    cache.append(kv, kv, lengths=[5, 3])
+    assert repr(cache) == ("StaticKVCache(batch_size=2, num_heads=8, max_seq_len=1024, head_dim=64, "
+                           "dtype=float32, mode='linear', seq_lens=[5, 3])")
+
+
+def test_circular_cache_repr_shows_window_and_value_head_size():
+    cache = numkv.StaticKVCache(3, 2, 40, 16, v_head_dim=8, dtype=ml_dtypes.bfloat16,
+                                mode="circular", window=32)
+    assert repr(cache) == ("StaticKVCache(batch_size=3, num_heads=2, max_seq_len=40, head_dim=16, "
+                           "v_head_dim=8, dtype=bfloat16, mode='circular', window=32, seq_lens=[0, 0, 0])")
+
+
+def test_dynamic_cache_repr_before_and_after_the_first_append():
+    cache = numkv.DynamicKVCache()
+    assert repr(cache).startswith("DynamicKVCache(empty")
+    cache.append(np.zeros((1, 2, 20, 4), np.float16), np.zeros((1, 2, 20, 4), np.float16))
+    assert repr(cache) == ("DynamicKVCache(batch_size=1, num_heads=2, capacity=20, head_dim=4, "
+                           "dtype=float16, mode='linear', seq_lens=[20])")
+
+
+def test_repr_of_a_large_batch_stays_short():
+    assert len(repr(numkv.StaticKVCache(10_000, 1, 4, 2))) < 200

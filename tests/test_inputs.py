@@ -8,7 +8,10 @@
   tensors) viewed without copying, for both ops, ``out=`` and the caches;
 * one dtype vocabulary: every dtype decision goes through ``_dtypes``'
   predicates (no ``dtype.kind`` in numkv), and a mask or cache dtype that
-  cannot be used is a ``TypeError`` naming the argument and the dtype.
+  cannot be used is a ``TypeError`` naming the argument and the dtype;
+* masks: a float64 mask beyond float32's range gives the reference's values,
+  either byte order reads alike, a non-native Q says what to do (issue 32);
+  read-only inputs reuse the compiled kernel, a batch of 0 takes empty lists.
 
 Every test here failed on main before these items (numba errors, zeroed rows,
 ``OverflowError``), except the ones marked as guarding what already worked.
@@ -284,3 +287,77 @@ def test_no_dtype_kind_in_numkv():
             if dot.string == "." and name.string == "kind" and owner.string != "self":
                 offenders.append(f"{path.name}:{name.start[0]}")
     assert not offenders
+
+
+# -- masks wider than the computation, byte order (issue 32) --
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("value", [1e39, -1e39, 1e300, -1e300])
+def test_a_float64_mask_beyond_float32_gives_the_references_values(dtype, value):
+    """Issue 32.4: a finite float64 mask value beyond float32's range became
+    inf in the float32 computation, and the row NaN (``inf - inf``)."""
+    import warnings
+
+    import ml_dtypes
+    import oracle
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 3, 8)).astype(dtype)
+    k = rng.standard_normal((1, 1, 4, 8)).astype(dtype)
+    v = rng.standard_normal((1, 1, 4, 8)).astype(dtype)
+    mask = np.zeros((3, 4))
+    mask[1, 2] = value      # one key of row 1
+    mask[2, :] = value      # every key of row 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow in a cast either
+        y = numkv.attention(q, k, v, attn_mask=mask)
+    reference = oracle.attention(q, k, v, attn_mask=mask)[0]
+    assert np.isfinite(y.astype(np.float32)).all()
+    tol = 2e-5 if dtype.itemsize >= 4 or dtype.itemsize == 1 else 4e-3
+    np.testing.assert_allclose(y.astype(np.float64), reference, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["f2", "f4", "f8", "i4", "i8", "u2"])
+def test_masks_of_either_byte_order_read_alike(dtype):
+    """Issue 32.6: a big-endian float mask was refused with a message listing
+    float32 as allowed, while big-endian integer masks were accepted."""
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 4, 8)).astype(np.float32)
+    mask = rng.integers(-3, 3, (3, 4)).astype("<" + dtype)
+    if dtype[0] == "f":
+        mask[0, 1] = -np.inf
+    big = mask.astype(">" + dtype)
+    np.testing.assert_array_equal(numkv.attention(q, k, k, attn_mask=big),
+                                  numkv.attention(q, k, k, attn_mask=mask))
+
+
+def test_a_non_native_query_says_what_to_do():
+    q = np.zeros((1, 1, 1, 4), ">f4")
+    k = np.zeros((1, 1, 2, 4), np.float32)
+    with pytest.raises(TypeError, match=r"Q has dtype >f4 in non-native byte order; pass Q.astype"):
+        numkv.attention(q, k, k)
+
+
+# -- read-only arrays, empty lists --
+
+
+def test_read_only_inputs_reuse_the_compiled_kernel():
+    from numkv._kernels.attention import attention_items as attention_kernel
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 3, 4), dtype=np.float32)
+    numkv.attention(q, q, q)
+    compiled = len(attention_kernel.signatures)
+    frozen = q.copy()
+    frozen.flags.writeable = False
+    assert np.array_equal(numkv.attention(frozen, frozen, frozen), numkv.attention(q, q, q))
+    assert len(attention_kernel.signatures) == compiled
+
+
+def test_batch_zero_accepts_empty_lists():
+    cache = np.zeros((0, 2, 4, 3), np.float32)
+    assert numkv.tensor_scatter(cache, np.zeros((0, 2, 1, 3), np.float32), []).shape == cache.shape
+    q = np.zeros((0, 2, 1, 4), np.float32)
+    assert numkv.attention(q, q, q, nonpad_kv_seqlen=[]).shape == (0, 2, 1, 4)

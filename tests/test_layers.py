@@ -9,14 +9,20 @@
 * one case against an independent float64 layer built on onnx.reference;
 * the decoder's greedy generation agrees across cache kinds, a bfloat16
   cache drifts a little, and ``python -m numkv demo`` passes its own check
-  at a tiny size.
+  at a tiny size;
+* every option of the decoder and ``generate`` (window, dtype, prefill_chunk,
+  slots) is honoured on every path and cache kind, or refused, and bad
+  arguments of the layer and the decoder are errors naming the argument
+  (issue 32).
 """
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import numkv
 import oracle
+from conftest import KINDS
 from numkv.cache import DynamicKVCache, StaticKVCache
 from numkv.layers import CachedSelfAttention, Decoder, rope
 
@@ -274,3 +280,148 @@ def test_linear_cache_with_window_equals_sliding_window(inputs, kind):
             outs[b].append(y[b])
     for b, seq in enumerate(row_sequences(prompt_x, PROMPTS, steps_x)):
         np.testing.assert_allclose(np.concatenate(outs[b]), row_reference(layer, seq, window=3), **TOL)
+
+
+# -- a layer over a cache of every kind fed its own buffers (issue 32) --
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_over_a_cache_fed_its_own_views(kind):
+    """CachedSelfAttention appends through the same path: a cache whose
+    buffers it wrote keeps agreeing with recomputation after it."""
+    layer = CachedSelfAttention(8, 2, seed=1)
+    cache = layer.new_cache(1, None if kind == "dynamic" else 8, mode="circular" if kind == "circular" else "linear",
+                            window=8 if kind == "circular" else None)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    y = layer(x, cache, True)
+    np.testing.assert_allclose(y, layer(x), rtol=1e-5, atol=1e-5)
+
+
+# -- every option of the decoder and generate, on every path, or refused (issue 32) --
+
+
+TOKEN_PROMPTS = [np.arange(1, 9), np.arange(20, 31)]
+
+
+def test_generate_honours_window_with_linear_caches(decoder):
+    """Issue 32.2: cache="dynamic" | "static" ignored ``window``."""
+    ref = decoder.generate(TOKEN_PROMPTS, 4, window=3)[0]
+    assert ref.tolist() == [[234, 226, 4, 189], [177, 148, 156, 95]]
+    for kind in ("dynamic", "static"):
+        np.testing.assert_array_equal(decoder.generate(TOKEN_PROMPTS, 4, cache=kind, window=3)[0], ref)
+
+
+@pytest.fixture(scope="module")
+def uncached(decoder):
+    return {w: decoder.generate(TOKEN_PROMPTS, 4, window=w) for w in (None, 2, 5)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 2, 5])
+@pytest.mark.parametrize("prefill_chunk", [None, 1, 3])
+def test_every_option_through_every_cache_kind(decoder, uncached, kind, window, prefill_chunk):
+    if kind == "circular" and window is None:
+        pytest.skip("a circular cache needs a window")
+    tokens, logits = decoder.generate(TOKEN_PROMPTS, 4, cache=kind, window=window, prefill_chunk=prefill_chunk)
+    np.testing.assert_array_equal(tokens, uncached[window][0])
+    np.testing.assert_allclose(logits, uncached[window][1], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_honours_the_cache_dtype(decoder, uncached, kind):
+    """``dtype`` reaches every cache kind (a DynamicKVCache took float32)."""
+    window = 5 if kind == "circular" else None
+    exact = decoder.generate(TOKEN_PROMPTS, 4, cache=kind, window=window)[1]
+    low = decoder.generate(TOKEN_PROMPTS, 4, cache=kind, window=window, dtype=np.float16)[1]
+    assert not np.array_equal(low, exact)
+    np.testing.assert_allclose(low[:, 0], exact[:, 0], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=np.float16), "dtype is the caches' dtype"),
+    (dict(prefill_chunk=2), "prefill_chunk splits the caches' prefill"),
+    (dict(slots=4), "slots is the capacity of a 'circular' cache"),
+    (dict(cache="static", slots=4), "slots is the capacity"),
+    (dict(cache="circular", window=4, slots=3), "slots 3 < window 4"),
+])
+def test_generate_refuses_options_it_would_ignore(decoder, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        decoder.generate(TOKEN_PROMPTS, 2, **kwargs)
+
+
+# -- arguments checked up front, named in the error (issue 32) --
+
+
+def _x(batch=1, seq=2, embed=8):
+    return np.ones((batch, seq, embed), np.float32)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: CachedSelfAttention("16", 4), TypeError, "embed_dim must be an integer"),
+    (lambda: CachedSelfAttention(16, 0), ValueError, "num_heads must be >= 1"),
+    (lambda: CachedSelfAttention(16, 4, 3), ValueError, "num_heads .* multiple of num_kv_heads"),
+    (lambda: CachedSelfAttention(16, 4, seed=-1), ValueError, "seed must be >= 0"),
+    (lambda: CachedSelfAttention(16, 4, head_dim=2.0), TypeError, "head_dim must be an integer"),
+    (lambda: CachedSelfAttention(16, 4, rope_base=-1.0), ValueError, "rope_base must be a positive"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), cache=object(), use_cache=True), TypeError,
+     "cache must be a numkv DynamicKVCache or StaticKVCache, got object"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), window="a"), TypeError, "window must be an integer"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), window=0), ValueError, "window must be >= 1"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), use_cache="yes"), TypeError, "use_cache must be True or False"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), DynamicKVCache()), ValueError, "use_cache=False"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), StaticKVCache(1, 1, 8, 4), True), ValueError,
+     "cache has kv heads 1, the layer's input needs 2"),
+    (lambda: CachedSelfAttention(8, 2)(_x(), StaticKVCache(3, 2, 8, 4), True), ValueError,
+     "cache has batch size 3"),
+    (lambda: CachedSelfAttention(8, 2)(_x().astype(bool)), TypeError, "x must hold numbers"),
+    (lambda: Decoder("tiny", seed=-1), ValueError, "seed must be >= 0"),
+    (lambda: Decoder(["tiny"]), ValueError, "size must be one of"),
+    (lambda: Decoder("tiny", num_layers=0), ValueError, "num_layers must be >= 1"),
+    (lambda: Decoder("tiny", rope_base="x"), TypeError, "rope_base must be a number"),
+    (lambda: Decoder("tiny")(np.ones((1, 2), int), caches=DynamicKVCache()), TypeError,
+     "caches must be a sequence"),
+    (lambda: Decoder("tiny")(np.ones((1, 2), int), caches=[object(), object()]), TypeError,
+     r"caches\[0\] must be a numkv"),
+    (lambda: Decoder("tiny")(np.ones((1, 2), int), window=-1), ValueError, "window must be >= 1"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, 2, cache="static", prefill_chunk=-1), ValueError,
+     "prefill_chunk must be >= 1"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, 2, cache="static", prefill_chunk=0), ValueError,
+     "prefill_chunk must be >= 1"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, -1), ValueError, "new_tokens must be >= 0"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, 2.5), TypeError, "new_tokens must be an integer"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, 2, window="3"), TypeError, "window must be an integer"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, 2, progress=3), TypeError, "progress must be callable"),
+    (lambda: Decoder("tiny").generate([np.array([1.5, 2.0])], 2), TypeError, r"prompts\[0\] must hold integer"),
+    (lambda: Decoder("tiny").generate([np.array([1, 999])], 2), ValueError, r"prompts\[0\] has tokens outside"),
+    (lambda: Decoder("tiny").generate(3, 2), TypeError, "prompts must be a sequence"),
+    (lambda: Decoder("tiny").new_caches("static", 2), ValueError, "a 'static' cache needs max_seq_len"),
+    (lambda: Decoder("tiny").new_caches("dynamic", 2, 8), ValueError, "max_seq_len applies to"),
+    (lambda: Decoder("tiny").new_caches("static", 2, 8, window=3), ValueError, "window makes a 'circular'"),
+    (lambda: CachedSelfAttention(8, 2).new_cache(1, mode="circular"), ValueError, "needs max_seq_len"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_arguments_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_generate_with_no_new_tokens(decoder):
+    for kind in (None, "static"):
+        tokens, logits = decoder.generate(TOKEN_PROMPTS, 0, cache=kind)
+        assert tokens.shape == (2, 0) and logits.shape == (2, 0, decoder.vocab_size)
+
+
+# -- a zero-length input; generate's cache argument --
+
+
+def test_layer_zero_length_input():
+    y = CachedSelfAttention(16, 2)(np.zeros((2, 0, 16), np.float32))
+    assert y.shape == (2, 0, 16)
+
+
+def test_generate_says_it_takes_the_kind_of_cache():
+    decoder = Decoder("tiny")
+    with pytest.raises(TypeError, match=r"cache names the kind .*'dynamic', 'static', 'circular'"
+                                        r".*got DynamicKVCache\(empty"):
+        decoder.generate([np.array([1, 2])], 2, cache=numkv.DynamicKVCache())
+    with pytest.raises(ValueError, match="cache must be None or one of 'dynamic', 'static', 'circular', got 'Static'"):
+        decoder.generate([np.array([1, 2])], 2, cache="Static")

@@ -1,5 +1,7 @@
 """ONNX's own backend node test cases for Attention and TensorScatter, run
-through ``numkv.onnx``; plus the wiring of the ``OpRun`` classes.
+through ``numkv.onnx``; plus the wiring of the ``OpRun`` classes, zero-size
+shapes (``numkv.onnx.attention`` and the evaluator, issue 32) and the
+``is_causal`` attribute's check.
 
 The cases are generated the way onnx generates them (the ``export_*``
 functions of ``onnx.backend.test.case.node.attention`` / ``.tensorscatter``,
@@ -298,3 +300,116 @@ def test_function_always_returns_four():
     out = numkv.onnx.attention(q, k, v)
     assert len(out) == 4 and all(isinstance(x, np.ndarray) for x in out)
     assert out[3].shape == (1, 2, 3, 3)
+
+
+# -- numkv.onnx on zero-size shapes (issue 32) --
+
+# (Q shape, K/V shape, attributes, whether onnx.reference 1.23.2 answers: it
+# fails itself on an empty K and on 3-D inputs with no query, where the
+# shapes are still determined)
+ZERO_SIZE = {
+    "q-seq-0": ((1, 2, 0, 4), (1, 2, 3, 4), {}, True),
+    "batch-0": ((0, 2, 3, 4), (0, 2, 3, 4), {}, True),
+    "q-heads-0": ((1, 0, 3, 4), (1, 1, 3, 4), {}, True),
+    "kv-seq-0": ((1, 2, 3, 4), (1, 2, 0, 4), {"is_causal": 1}, False),
+    "3d-q-seq-0": ((1, 0, 8), (1, 3, 8), {"q_num_heads": 2, "kv_num_heads": 2}, False),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_SIZE)
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_onnx_attention_on_zero_size_shapes(case, mode):
+    """Issue 32.3: numkv.onnx.attention failed with 'cannot reshape array of
+    size 0' where numkv.attention (and onnx.reference, where it answers) do."""
+    pytest.importorskip("onnx")
+    import numkv.onnx
+    import oracle
+
+    q_shape, kv_shape, attrs, reference_answers = ZERO_SIZE[case]
+    Q, K = np.zeros(q_shape, np.float32), np.ones(kv_shape, np.float32)
+    got = numkv.onnx.attention(Q, K, K, qk_matmul_output_mode=mode, **attrs)
+    y = numkv.attention(Q, K, K, **attrs)
+    assert got[0].shape == y.shape and got[0].dtype == np.float32
+    np.testing.assert_array_equal(got[0], y)
+    if reference_answers:
+        want = oracle.attention(Q, K, K, qk_matmul_output_mode=mode, float64=False, **attrs)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == np.float32
+            np.testing.assert_array_equal(g, w)
+    else:
+        b = q_shape[0]
+        hq, hkv = (q_shape[1], kv_shape[1]) if len(q_shape) == 4 else (attrs["q_num_heads"], attrs["kv_num_heads"])
+        sq, skv = q_shape[-2], kv_shape[-2]
+        d = (kv_shape[3] if len(kv_shape) == 4 else kv_shape[2] // hkv)
+        assert got[1].shape == got[2].shape == (b, hkv, skv, d)
+        assert got[3].shape == (b, hq, sq, skv)
+
+
+@pytest.mark.parametrize("case", ["q-seq-0", "batch-0", "kv-seq-0"])
+def test_onnx_evaluator_on_zero_size_shapes_with_every_output(case):
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+
+    import numkv.onnx
+
+    q_shape, kv_shape, attrs, _ = ZERO_SIZE[case]
+    f = onnx.TensorProto.FLOAT
+    outputs = ["Y", "present_key", "present_value", "qk"]
+    node = helper.make_node("Attention", ["Q", "K", "V"], outputs, **attrs)
+    graph = helper.make_graph([node], "zero", [helper.make_tensor_value_info(n, f, None) for n in "QKV"],
+                              [helper.make_tensor_value_info(o, f, None) for o in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    feeds = {"Q": np.zeros(q_shape, np.float32), "K": np.ones(kv_shape, np.float32),
+             "V": np.ones(kv_shape, np.float32)}
+    got = numkv.onnx.evaluator(model).run(None, feeds)
+    assert [g.shape for g in got] == [r.shape for r in numkv.onnx.attention(*feeds.values(), **attrs)]
+    if case != "kv-seq-0":  # onnx.reference cannot take an empty K
+        want = onnx.reference.ReferenceEvaluator(model).run(None, feeds)
+        assert [g.shape for g in got] == [w.shape for w in want]
+
+
+def _zeros(*shape):
+    return np.zeros(shape, np.float32)
+
+
+ZERO_SIZE_WITH_INPUTS = {
+    "q-seq-0-mask": dict(Q=_zeros(1, 2, 0, 4), K=_zeros(1, 2, 3, 4), V=_zeros(1, 2, 3, 4), attn_mask=_zeros(0, 3)),
+    "empty-past-and-k": dict(Q=_zeros(1, 2, 2, 4), K=_zeros(1, 2, 0, 4), V=_zeros(1, 2, 0, 4),
+                             past_key=_zeros(1, 2, 0, 4), past_value=_zeros(1, 2, 0, 4)),
+    "batch-0-nonpad": dict(Q=_zeros(0, 2, 2, 4), K=_zeros(0, 2, 3, 4), V=_zeros(0, 2, 3, 4),
+                           nonpad_kv_seqlen=np.zeros(0, np.int64)),
+    "v-head-0": dict(Q=_zeros(1, 2, 2, 4), K=_zeros(1, 2, 3, 4), V=_zeros(1, 2, 3, 0)),
+    "empty-k-empty-mask": dict(Q=_zeros(1, 2, 2, 4), K=_zeros(1, 2, 0, 4), V=_zeros(1, 2, 0, 4),
+                               attn_mask=np.zeros((2, 0), bool)),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_SIZE_WITH_INPUTS)
+@pytest.mark.parametrize("mode", [0, 3])
+def test_onnx_attention_on_zero_size_shapes_with_masks_and_pasts(case, mode):
+    pytest.importorskip("onnx")
+    import numkv.onnx
+
+    inputs = ZERO_SIZE_WITH_INPUTS[case]
+    y, present_key, present_value, scores = numkv.onnx.attention(**inputs, qk_matmul_output_mode=mode)
+    np.testing.assert_array_equal(y, numkv.attention(**inputs))
+    b, hq, sq, _ = inputs["Q"].shape
+    past = inputs.get("past_key", _zeros(b, 2, 0, 4)).shape[2]
+    total = past + inputs["K"].shape[2]
+    assert present_key.shape == (b, 2, total, 4) and present_value.shape == (b, 2, total, inputs["V"].shape[3])
+    assert scores.shape == (b, hq, sq, total)
+
+
+# -- numkv.onnx's is_causal attribute --
+
+
+def test_onnx_is_causal_must_be_0_or_1():
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    attention = numkv.onnx.Attention.__new__(numkv.onnx.Attention)
+
+    class Node:
+        output = ["Y"]
+
+    attention.onnx_node = Node()
+    with pytest.raises(ValueError, match="is_causal"):
+        attention._run(q, q, q, is_causal=2)

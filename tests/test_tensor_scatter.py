@@ -9,7 +9,8 @@
 * every bad input of API.md: exception type, a message naming the argument and
   value, and a failed in-place call leaves the cache byte-identical;
 * hypothesis properties: the written window reads back as the update, circular ==
-  linear on a rolled cache, in place == functional.
+  linear on a rolled cache, in place == functional;
+* a structured array's field as the cache, the update passed as ``out``.
 """
 
 import re
@@ -901,3 +902,36 @@ def test_write_indices_of_any_layout_reuse_the_compiled_kernel(rng, monkeypatch)
         assert numkv.tensor_scatter(cache, update, w, out=cache) is cache
         assert same_bits(cache, oracle.tensor_scatter(past, update, np.array(w)))
     assert len(scatter_kernels.scatter_items.signatures) == signatures
+
+
+# -- a structured array's field as the cache; the update as out --
+
+
+@pytest.mark.parametrize("field_dtype", ["c8", "U2"])
+def test_scatter_field_view_whose_stride_is_not_a_multiple_of_the_itemsize(field_dtype):
+    """complex64, 'S4', 'U2' are aligned to less than their size: a structured
+    array's field has strides the full-width unit does not divide."""
+    rec = np.zeros((2, 4, 1), [("pad", "f4"), ("x", field_dtype)])
+    values = np.arange(8).reshape(2, 4, 1)
+    rec["x"] = values.astype(field_dtype)
+    cache = rec["x"]
+    update = np.full((2, 1, 1), 9).astype(field_dtype)
+    expected = oracle.tensor_scatter(cache.copy(), update, axis=1)
+    assert same_bits(numkv.tensor_scatter(cache, update, axis=1), expected)
+    before_pad = rec["pad"].copy()
+    numkv.tensor_scatter(cache, update, axis=1, out=cache)
+    assert same_bits(np.ascontiguousarray(cache), expected)
+    assert same_bits(rec["pad"], before_pad)  # the neighbouring field is untouched
+
+
+@pytest.mark.parametrize("batch", [1, 8])  # one batch row, several
+def test_scatter_update_is_out(batch):
+    past = np.zeros((batch, 4, 1))
+    update = np.arange(1.0, 4 * batch + 1).reshape(batch, 4, 1).copy()  # owns its memory
+    expected = oracle.tensor_scatter(past, update.copy(), np.ones(batch, np.int64), mode="circular", axis=1)
+    got = numkv.tensor_scatter(past, update, np.ones(batch, np.int64), mode="circular", axis=1, out=update)
+    assert got is update and same_bits(got, expected)
+    cache = np.arange(4.0 * batch).reshape(batch, 4, 1).copy()
+    expected = oracle.tensor_scatter(cache.copy(), cache.copy(), np.ones(batch, np.int64), mode="circular", axis=1)
+    got = numkv.tensor_scatter(cache, cache, np.ones(batch, np.int64), mode="circular", axis=1, out=cache)
+    assert same_bits(got, expected)
