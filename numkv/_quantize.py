@@ -59,6 +59,8 @@ _FLOAT16 = np.dtype(np.float16)
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 _UINT8, _INT8 = np.dtype(np.uint8), np.dtype(np.int8)
 _DEQUANTIZE_DTYPES = (_FLOAT32, _FLOAT64, _FLOAT16, BFLOAT16)
+_STORAGE_DTYPES = {"q8_0": _UINT8, "q4_0": _UINT8, "int8": _INT8, "int4": _UINT8}
+_SCALED = ("int8", "int4")  # formats whose given scales fold into Q and Y
 
 
 class QuantizedArray:
@@ -93,7 +95,15 @@ class QuantizedArray:
     __slots__ = ("_format", "_scale", "_shape", "_storage")
 
     def __init__(self, format, storage, scale=None, *, _shape=None):
-        """Internal: use ``numkv.quantize`` or ``QuantizedArray.from_parts``."""
+        """Internal: use ``numkv.quantize`` or ``QuantizedArray.from_parts``
+        (the kernels trust what is built here, so even this checks the
+        storage's type: a few attribute reads)."""
+        if type(storage) is not np.ndarray or storage.dtype != _STORAGE_DTYPES.get(format) or not storage.ndim \
+                or (format in BLOCK_BYTES and storage.shape[-1] % BLOCK_BYTES[format]) \
+                or ((scale is None) != (format in BLOCK_BYTES)):
+            raise TypeError(f"QuantizedArray({format!r}, ...) takes its format's storage "
+                            f"({_STORAGE_DTYPES.get(format)} rows{' and a scale' if format in _SCALED else ''}): "
+                            f"build one with numkv.quantize or QuantizedArray.from_parts")
         self._format = format
         self._storage = storage
         # int8 / int4: the read-only float32 scale, 0-d (per tensor) or of the
@@ -519,7 +529,7 @@ def scatter_operands(past_cache, update, out, axis, in_place):
         if fmt not in BLOCK_BYTES and not past_cache.same_scales(out):
             raise ValueError(f"out's {fmt} scale differs from past_cache's")
         out_storage = out.storage
-    scale = past_cache.scales
+    scale = None if fmt in BLOCK_BYTES else past_cache.scales
 
     def wrap(storage):
         if in_place or out is not None:
@@ -545,9 +555,6 @@ def zeros(format: str, shape: tuple[int, ...]) -> QuantizedArray:
 
 
 # -- what numkv.attention needs of a QuantizedArray -------------------------------------
-
-_SCALED = ("int8", "int4")  # formats whose given scales fold into Q and Y
-
 
 def kind(x):
     """What must agree between K and past_key (V and past_value): the dtype

@@ -803,3 +803,12 @@ def test_the_docstring_examples_run():
 
     result = doctest.testmod(numkv._quantize, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 8 and result.failed == 0, result
+
+
+def test_the_constructor_refuses_storage_the_kernel_would_misread():
+    with pytest.raises(TypeError, match="numkv.quantize"):
+        QuantizedArray("q8_0", np.zeros((2, 68), np.float32))
+    with pytest.raises(TypeError, match="numkv.quantize"):
+        QuantizedArray("q8_0", np.zeros((2, 60), np.uint8))
+    with pytest.raises(TypeError, match="numkv.quantize"):
+        QuantizedArray("int8", np.zeros((1, 2, 3, 4), np.int8))  # no scale
