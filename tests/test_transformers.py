@@ -493,7 +493,10 @@ def test_quantised_dtype_is_passed_through_or_refused():
         with pytest.raises(TypeError, match="quantised StaticKVCache"):
             nt.KVCache(cfg, 2, 32, dtype="q8_0")
     else:
-        assert nt.KVCache(cfg, 2, 32, dtype="q8_0").dtype == "q8_0"
+        wide = LlamaConfig(num_hidden_layers=1, **dict(SMALL, hidden_size=256))  # head_dim 32: q8_0's block
+        assert nt.KVCache(wide, 2, 32, dtype="q8_0").dtype == "q8_0"
+        with pytest.raises(ValueError, match="head_dim"):  # this model's head_dim 8: no block of 32
+            nt.KVCache(cfg, 2, 32, dtype="q8_0")
 
 
 def test_import_numkv_imports_no_torch():
