@@ -21,7 +21,7 @@ import numpy as np
 
 from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
 from ._validate import as_array, as_count, as_flag, as_float, index_vector
-from .cache import DynamicKVCache, StaticKVCache, _KVCache
+from .cache import QUANTIZED_DTYPES, DynamicKVCache, StaticKVCache, _KVCache
 
 if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
     from numpy.typing import DTypeLike
@@ -48,6 +48,29 @@ def _seed(seed):
 def _lengths(lengths, batch, new):
     """``lengths`` as int64 ``(B,)`` in ``[0, S]``, or None."""
     return None if lengths is None else index_vector(lengths, "lengths", batch, new)
+
+
+def _kv_format(dtype):
+    """The quantised format ``dtype`` names (``"q8_0"``, ``"q4_0"``: a
+    ``StaticKVCache`` quantises on append), or None for a NumPy dtype."""
+    return dtype if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES else None
+
+
+def _check_kv_format(dtype, dynamic, head_dim, dynamic_hint, head_hint="", advice=""):
+    """A quantised ``dtype`` must go to a ``StaticKVCache`` (``dynamic``: the
+    caller would make a ``DynamicKVCache``, which grows by copying and holds
+    NumPy dtypes only) whose head size its block of 32 divides.  Checked
+    here, before anything is computed or written, so that the error names
+    the caller's arguments (the hints say which)."""
+    fmt = _kv_format(dtype)
+    if fmt is None:
+        return
+    if dynamic:
+        raise ValueError(f"dtype {fmt!r} is a quantised format, which only a StaticKVCache holds: "
+                         f"{dynamic_hint}")
+    if head_dim % 32:
+        raise ValueError(f"dtype {fmt!r} quantises blocks of 32 along the head: head_dim {head_dim}"
+                         f"{head_hint} is not a multiple of 32{advice}")
 
 
 def _quantise(x, dtype):
@@ -122,7 +145,9 @@ class CachedSelfAttention:
       (``numkv.attention(..., is_causal=True)``);
     * with ``use_cache=True``, the new keys/values are appended to ``cache`` (a
       ``DynamicKVCache`` or ``StaticKVCache``, any float dtype: keys/values are
-      cast to it here, explicitly) and the queries attend everything cached
+      cast to it here, explicitly; or a ``StaticKVCache`` of a quantised format,
+      ``"q8_0"`` / ``"q4_0"``, which quantises the float32 keys/values itself
+      and is read in place) and the queries attend everything cached
       with the offset causal mask: query ``i`` of row ``b`` sits at absolute
       position ``seq_lens[b] + i``.  Multi-token inputs (chunked prefill) and
       ragged rows work; a circular cache's window applies, and inputs longer
@@ -186,15 +211,25 @@ class CachedSelfAttention:
         max_seq_len : int, optional
             None: a ``DynamicKVCache(dtype=dtype)`` (linear, grows); else a
             ``StaticKVCache`` of this many positions per row.
-        dtype : dtype, default float32
-            The cache's dtype (a float type the layer can attend).
+        dtype : dtype or {"q8_0", "q4_0"}, default float32
+            The cache's dtype (a float type the layer can attend), or a
+            quantised format (a ``StaticKVCache`` only, so it needs
+            ``max_seq_len``; ``head_dim`` a multiple of 32).
         mode, window
             A ``StaticKVCache``'s (``"circular"`` and its window need ``max_seq_len``).
 
         Returns
         -------
         DynamicKVCache or StaticKVCache
+
+        Raises
+        ------
+        ValueError
+            A quantised ``dtype`` without ``max_seq_len`` or with a
+            ``head_dim`` its block of 32 does not divide; see also the caches'.
         """
+        _check_kv_format(dtype, max_seq_len is None, self.head_dim,
+                         "pass max_seq_len for a StaticKVCache (a DynamicKVCache grows by copying)")
         if max_seq_len is None:
             if mode != "linear" or window is not None:
                 raise ValueError("a circular cache (mode, window) needs max_seq_len: a DynamicKVCache "
@@ -284,11 +319,16 @@ class CachedSelfAttention:
         elif window is not None:
             extra["left_window_size"] = window - 1
         dtype = cache.dtype if cache.dtype is not None else k.dtype
-        if not is_attention_dtype(dtype):  # checked before the cache is written
-            raise TypeError(
-                f"cache has dtype {dtype}; the layer attends its keys and values, so it must hold "
-                f"a float type Attention takes (float16, bfloat16, float32, float64, float8)")
-        k, v = _quantise(k, dtype), _quantise(v, dtype)
+        # A quantised StaticKVCache ("q8_0", "q4_0") takes the float32 keys and
+        # values as they are and quantises each new token's blocks on append;
+        # attention then reads its QuantizedArray views in place.
+        if _kv_format(dtype) is None:
+            if not is_attention_dtype(dtype):  # checked before the cache is written
+                raise TypeError(
+                    f"cache has dtype {dtype}; the layer attends its keys and values, so it must hold "
+                    f"a float type Attention takes (float16, bfloat16, float32, float64, float8) "
+                    f"or a quantised format ({', '.join(QUANTIZED_DTYPES)})")
+            k, v = _quantise(k, dtype), _quantise(v, dtype)
         new = q.shape[2]
         step = cache.max_chunk or new
         outputs = []
@@ -434,8 +474,10 @@ class Decoder:
             Rows.
         max_seq_len : int, optional
             See ``kind``.
-        dtype : dtype, default float32
-            The caches' dtype.
+        dtype : dtype or {"q8_0", "q4_0"}, default float32
+            The caches' dtype, or a quantised format: ``"static"`` and
+            ``"circular"`` caches only, and a head size (``embed_dim //
+            num_heads``) that the block of 32 divides.
         window : int, optional
             The ring's window: circular caches only (for a linear cache, pass
             ``window`` to the decoder's call).
@@ -443,9 +485,16 @@ class Decoder:
         Returns
         -------
         list of DynamicKVCache or StaticKVCache
+
+        Raises
+        ------
+        ValueError
+            A kind, size or window out of place, or a quantised ``dtype``
+            with ``kind="dynamic"`` or a head size not a multiple of 32.
         """
         if not isinstance(kind, str) or kind not in CACHE_KINDS:
             raise ValueError(f"kind must be one of {CACHE_KINDS}, got {kind!r}")
+        self._check_cache_dtype(dtype, kind)
         as_count(batch_size, "batch_size", 0)
         if kind == "dynamic" and max_seq_len is not None:
             raise ValueError("max_seq_len applies to 'static' and 'circular' caches: a dynamic one grows")
@@ -468,6 +517,15 @@ class Decoder:
                 caches.append(block.attn.new_cache(batch_size, slots, dtype=dtype, mode="circular",
                                                    window=window))
         return caches
+
+    def _check_cache_dtype(self, dtype, kind):
+        """A quantised ``dtype`` needs a StaticKVCache kind and a head size
+        of whole blocks: refused here, naming the decoder's settings."""
+        cfg = self.config
+        _check_kv_format(dtype, kind == "dynamic", self.blocks[0].attn.head_dim,
+                         "use cache kind 'static' or 'circular' (a 'dynamic' cache grows by copying)",
+                         f" (embed_dim {cfg['embed_dim']} / num_heads {cfg['num_heads']})",
+                         "; Decoder('base') or Decoder('tiny', num_heads=2, num_kv_heads=1) have 32")
 
     def __call__(self, tokens: np.ndarray, caches: Sequence | None = None, *,
                  lengths: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
@@ -520,8 +578,9 @@ class Decoder:
             them and then decodes one token per row per step, each row at its
             own position.  (To decode with caches of your own, call
             ``decoder(tokens, caches)`` step by step.)
-        dtype : dtype, default float32
-            The caches' dtype (only with a cache).
+        dtype : dtype or {"q8_0", "q4_0"}, default float32
+            The caches' dtype (only with a cache); the quantised formats with
+            ``"static"`` and ``"circular"`` caches (``new_caches``).
         window : int, optional
             Sliding-window attention over the last ``window`` positions, on
             every path (required for ``"circular"``, whose ring it sizes).
@@ -560,11 +619,14 @@ class Decoder:
         # Every option is honoured on every path it applies to, or refused:
         # a cache's options need a cache, the ring's size a ring.
         if cache is None:
-            if np.dtype(dtype) != np.float32:
-                raise ValueError(f"dtype is the caches' dtype: it needs cache=..., got dtype {np.dtype(dtype)} "
+            if _kv_format(dtype) is not None or np.dtype(dtype) != np.float32:
+                shown = _kv_format(dtype) or np.dtype(dtype)
+                raise ValueError(f"dtype is the caches' dtype: it needs cache=..., got dtype {shown} "
                                  f"with cache=None (which computes in float32)")
             if prefill_chunk is not None:
                 raise ValueError("prefill_chunk splits the caches' prefill: it needs cache=...")
+        else:
+            self._check_cache_dtype(dtype, cache)
         if slots is not None:
             if cache != "circular":
                 raise ValueError(f"slots is the capacity of a 'circular' cache; got cache={cache!r}")

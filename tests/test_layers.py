@@ -13,7 +13,14 @@
 * every option of the decoder and ``generate`` (window, dtype, prefill_chunk,
   slots) is honoured on every path and cache kind, or refused, and bad
   arguments of the layer and the decoder are errors naming the argument
-  (issue 32).
+  (issue 32);
+* quantised caches (issue 28): the layer over a q8_0 / q4_0 StaticKVCache
+  (linear, and a wrapping ring) equals it over a float32 cache of the
+  dequantised values, and stays within a bound derived from the step; the
+  decoder with a q8_0 cache gives the float32 cache's tokens (logits within a
+  budget from the step), q4_0's agreement and drift are reported; quantised
+  dtypes are refused where they cannot go (a DynamicKVCache, a head size 32
+  does not divide), naming the argument.
 """
 
 import ml_dtypes
@@ -425,3 +432,166 @@ def test_generate_says_it_takes_the_kind_of_cache():
         decoder.generate([np.array([1, 2])], 2, cache=numkv.DynamicKVCache())
     with pytest.raises(ValueError, match="cache must be None or one of 'dynamic', 'static', 'circular', got 'Static'"):
         decoder.generate([np.array([1, 2])], 2, cache="Static")
+
+
+# -- quantised caches (issue 28): q8_0 / q4_0 StaticKVCaches under the layer and the decoder --
+
+
+class DequantisingCache(StaticKVCache):
+    """A float32 StaticKVCache that stores what a ``fmt`` cache would hold:
+    each append's keys and values quantised (each token's blocks on their
+    own) and dequantised."""
+
+    def __init__(self, fmt, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fmt = fmt
+
+    def append(self, key, value, lengths=None):
+        return super().append(numkv.quantize(key, self.fmt).dequantize(),
+                              numkv.quantize(value, self.fmt).dequantize(), lengths)
+
+
+QUANT_KINDS = [pytest.param("linear", None, 16, id="static"),
+               pytest.param("circular", 3, 6, id="circular-C6-W3")]  # the ring wraps
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("mode, window, capacity", QUANT_KINDS)
+def test_quantised_cache_equals_a_float_cache_of_its_values(inputs, fmt, mode, window, capacity):
+    """The layer over a q8_0 / q4_0 cache (quantised on append, read in
+    place) == the layer over a float32 cache holding the dequantised keys
+    and values, to float32 rounding: the layer hands the cache its float32
+    keys and attends what the cache holds, nothing else."""
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, 4, 2, seed=7, head_dim=32, rope_base=10000.0)
+    cache = layer.new_cache(3, capacity, dtype=fmt, mode=mode, window=window)
+    assert cache.dtype == fmt and type(cache.get()[0]) is numkv.QuantizedArray
+    got = ragged_decode(layer, cache, prompt_x, PROMPTS, steps_x)
+    ref = ragged_decode(layer, DequantisingCache(fmt, 3, 2, capacity, 32, mode=mode, window=window),
+                        prompt_x, PROMPTS, steps_x)
+    assert cache.seq_lens.tolist() == (PROMPTS + STEPS).tolist()
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("fmt, qmax", [("q8_0", 127), ("q4_0", 7)])
+def test_quantised_cache_within_the_bound_its_step_gives(inputs, fmt, qmax):
+    """The layer's output over a quantised cache against the float32 cache's,
+    within a bound derived from the quantisation step alone.
+
+    Every stored key / value element is within half a step of its value
+    (API.md), the step at most ``amax / qmax`` (rounded up to float16: x
+    (1 + 2**-10), one more float16 step at most), so ``|dk|, |dv| <= h =
+    max|x| / (2 qmax) * (1 + 2**-9)``.  For one query row, each score
+    ``scale * q.k_j`` moves by at most ``eps = scale * ||q||_1 * h_K``, so
+    each softmax weight by a factor within ``exp(+-2 eps)`` and ``sum_j
+    p_j v_j`` by at most ``h_V + (exp(2 eps) - 1) max|v|``; the output
+    projection multiplies that by at most ``max_e sum_i |w_o[i, e]|``.
+    Plus float32 rounding (1e-5 of the output scale).  Holds for q4_0 too,
+    where it is loose."""
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, 4, 2, seed=8, head_dim=32)  # no rope: q, k, v are the projections
+    exact = ragged_decode(layer, layer.new_cache(3, 16), prompt_x, PROMPTS, steps_x)
+    rough = ragged_decode(layer, layer.new_cache(3, 16, dtype=fmt), prompt_x, PROMPTS, steps_x)
+    x = np.concatenate(row_sequences(prompt_x, PROMPTS, steps_x))          # every real token
+    q = (x @ layer.w_q).reshape(len(x), layer.num_heads, 32)
+    k, v = x @ layer.w_k, x @ layer.w_v
+    h_k, h_v = (np.abs(a).max() / (2 * qmax) * (1 + 2.0 ** -9) for a in (k, v))
+    eps = np.abs(q).sum(axis=-1).max() / np.sqrt(32) * h_k
+    d_attn = h_v + np.expm1(2 * eps) * np.abs(v).max()
+    d_out = d_attn * np.abs(layer.w_o).sum(axis=0).max()
+    worst = max(np.abs(a - b).max() for a, b in zip(rough, exact))
+    scale = max(np.abs(b).max() for b in exact)
+    assert worst <= d_out + 1e-5 * scale, (worst, d_out)
+    assert worst > 0  # the cache did quantise
+    print(f"{fmt}: max |dy| {worst:.3g}, bound {d_out:.3g}, |y| <= {scale:.3g}")
+
+
+QUANT_DECODER = dict(num_heads=2, num_kv_heads=1)  # "tiny" with a head size of 32 (the presets' tiny has 16)
+
+
+@pytest.fixture(scope="module")
+def quant_decoder():
+    return Decoder("tiny", seed=0, **QUANT_DECODER)
+
+
+@pytest.fixture(scope="module")
+def quant_prompts():
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, 256, n) for n in (12, 7, 16)]
+
+
+@pytest.fixture(scope="module")
+def float_cached(quant_decoder, quant_prompts):
+    return quant_decoder.generate(quant_prompts, 8, cache="static")
+
+
+def _budget(decoder, qmax):
+    """A first-order budget for the logits' drift, as a fraction of the
+    logit scale: each layer's keys and values each move by at most half a
+    step, ``1 / (2 qmax)`` of their block's largest magnitude, and each of
+    the two perturbs that layer's attention output, through a weighted
+    average, by about that fraction of its scale; the residual stream adds
+    the layers' shares: ``2 L / (2 qmax)``.  q8_0, L = 2: 1.6% (measured
+    0.9% over 4 x 32 tokens, 0.6% at the 'base' preset's six layers)."""
+    return 2 * decoder.config["num_layers"] / (2 * qmax)
+
+
+@pytest.mark.parametrize("kind", ["static", "circular"])
+def test_generate_q8_0_gives_the_float32_caches_tokens(quant_decoder, quant_prompts, float_cached, kind):
+    """Issue 28's acceptance, on a small model: a q8_0 cache decodes the
+    float32 cache's tokens, its logits within the budget its step gives
+    (``_budget``; q4_0's drift, 18x the step, lies well beyond it)."""
+    window = 64 if kind == "circular" else None  # the ring holds everything: == the linear cache
+    tokens, logits = quant_decoder.generate(quant_prompts, 8, cache=kind, dtype="q8_0", window=window)
+    np.testing.assert_array_equal(tokens, float_cached[0])
+    scale = np.abs(float_cached[1]).max()
+    drift = np.abs(logits - float_cached[1]).max()
+    assert 0 < drift <= _budget(quant_decoder, 127) * scale, (drift, scale)
+
+
+def test_generate_q4_0_drift_is_reported(quant_decoder, quant_prompts, float_cached, capsys):
+    """q4_0 (7 steps each side of zero) may change tokens: its agreement and
+    drift are reported, and the drift of the first token's logits (always
+    comparable) stays within q4_0's own budget."""
+    tokens, logits = quant_decoder.generate(quant_prompts, 8, cache="static", dtype="q4_0")
+    scale = np.abs(float_cached[1]).max()
+    first = np.abs(logits[:, 0] - float_cached[1][:, 0]).max()
+    assert 0 < first <= _budget(quant_decoder, 7) * scale, (first, scale)
+    q8 = quant_decoder.generate(quant_prompts, 1, cache="static", dtype="q8_0")[1]
+    assert np.abs(q8[:, 0] - float_cached[1][:, 0]).max() < first  # the coarser step drifts further
+    with capsys.disabled():
+        print(f"\nq4_0 cache: {np.mean(tokens == float_cached[0]):.0%} of tokens equal to the float32 "
+              f"cache's, first-token max |dlogit| {first:.3g} = {first / scale:.1%} of max |logit| {scale:.3g}")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: Decoder("tiny", **QUANT_DECODER).new_caches("dynamic", 2, dtype="q8_0"), ValueError,
+     "dtype 'q8_0' is a quantised format, which only a StaticKVCache holds: use cache kind 'static'"),
+    (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, cache="dynamic", dtype="q4_0"),
+     ValueError, "dtype 'q4_0' is a quantised format"),
+    (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, dtype="q8_0"), ValueError,
+     "dtype is the caches' dtype: it needs cache=..., got dtype q8_0"),
+    (lambda: Decoder("tiny").generate(TOKEN_PROMPTS, 2, cache="static", dtype="q8_0"), ValueError,
+     r"head_dim 16 \(embed_dim 64 / num_heads 4\) is not a multiple of 32"),
+    (lambda: Decoder("tiny").new_caches("circular", 2, window=4, dtype="q4_0"), ValueError,
+     "head_dim 16"),
+    (lambda: CachedSelfAttention(64, 2).new_cache(1, dtype="q8_0"), ValueError,
+     "only a StaticKVCache holds: pass max_seq_len"),
+    (lambda: CachedSelfAttention(64, 4).new_cache(1, 8, dtype="q4_0"), ValueError,
+     "head_dim 16 is not a multiple of 32"),
+    (lambda: CachedSelfAttention(64, 4, head_dim=48).new_cache(1, 8, dtype="q8_0"), ValueError,
+     "head_dim 48 is not a multiple of 32"),
+    (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, cache="static", dtype="q5_0"),
+     TypeError, "dtype 'q5_0'"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_quantised_dtypes_refused_where_they_cannot_go(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_refused_quantised_dtype_computes_nothing(quant_decoder, monkeypatch):
+    """The dtype is checked before any layer runs (no prefill thrown away)."""
+    monkeypatch.setattr(Decoder, "__call__", lambda *a, **k: pytest.fail("the decoder ran"))
+    with pytest.raises(ValueError, match="quantised format"):
+        quant_decoder.generate(TOKEN_PROMPTS, 2, cache="dynamic", dtype="q8_0")
