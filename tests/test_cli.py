@@ -297,7 +297,7 @@ OPTIONS = {
     ("demo", "--window"): bad_count(1),
     ("demo", "--seed"): bad_count(0),
     ("demo", "--size"): not_one_of(("tiny", "small", "base")),
-    ("demo", "--kv-dtype"): not_one_of(("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")),
+    ("demo", "--kv-dtype"): not_one_of(("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "q8_0", "q4_0")),
     ("bench", "--threads"): bad_count(1, MAX_WORKERS),
     ("bench", "--only"): not_a_regex(),
     ("bench", "--plot"): bad_plot_path(),
@@ -327,3 +327,49 @@ def test_random_bad_values_are_usage_errors(option, data):
         if value in GROUPS:
             return
     assert_usage_error([command, f"{flag}={value}"])
+
+
+# --- the demo's quantised caches (issue 28) ----------------------------------------------
+
+
+def test_demo_with_a_q8_0_cache_reports_agreement_and_drift(capsys):
+    """``--kv-dtype q8_0``: run (d) over a q8_0 StaticKVCache, its tokens and
+    logits against (c), the float32 cache; the default size is then 'base'
+    (the presets' smallest head size of whole blocks of 32), and says so."""
+    assert main(["demo", "--kv-dtype", "q8_0", "--batch", "2", "--prompt-len", "6", "--new-tokens", "3",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("numkv demo: decoder 'base' (") and "kv heads of 32" in out
+    assert "--kv-dtype q8_0 quantises blocks of 32 along the head, small's head size is 16" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("(d) StaticKVCache q8_0")]
+    assert re.search(r"drift vs \(c\): 6/6 tokens equal \(100\.0%\), max \|dlogit\| \d\.\d\de[-+]\d\d = "
+                     r"\d+\.\d\d% of max \|logit\| \S+ \(before divergence\)", line), line
+    assert re.search(r"\d+\.\d+s\s+\d+\.\d+\s+\d+\.\dx", line), line  # time, tokens/s, speed-up
+    assert "all cached runs agree" in out and "MISMATCH" not in out
+
+
+def test_demo_with_a_q4_0_cache_at_an_explicit_size(capsys):
+    assert main(["demo", "--kv-dtype", "q4_0", "--size", "base", "--batch", "2", "--prompt-len", "5",
+                 "--new-tokens", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("numkv demo: decoder 'base' (") and "small's head size" not in out
+    (line,) = [line for line in out.splitlines() if line.startswith("(d) StaticKVCache q4_0")]
+    assert re.search(r"drift vs \(c\): \d/4 tokens equal \(\d+\.\d%\), max \|dlogit\| \S+ = \S+% of max", line), line
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_demo_quantised_cache_at_a_size_it_cannot_take(size, fmt):
+    """A preset whose head size 32 does not divide: a usage error naming
+    both options and the size that works, before any work."""
+    assert_usage_error(["demo", "--kv-dtype", fmt, "--size", size], call=main,
+                       says=f"--kv-dtype {fmt} quantises blocks of 32 along the head, but --size {size} has "
+                            f"head size 16: use --size base (head size 32), or leave --size out")
+
+
+def test_demo_default_size_is_unchanged_for_float_caches():
+    from numkv._cli.demo import _size
+
+    for kv, size in (("bfloat16", "small"), ("float8_e5m2", "small"), ("q8_0", "base"), ("q4_0", "base")):
+        assert _size(build_parser().parse_args(["demo", "--kv-dtype", kv])) == size
+    assert _size(build_parser().parse_args(["demo", "--size", "tiny"])) == "tiny"

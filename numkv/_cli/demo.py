@@ -6,8 +6,11 @@ Five runs over the same ragged batch of random prompts (public API only):
 (a) no cache: every step recomputes the whole prefix (the reference);
 (b) ``DynamicKVCache``; (c) ``StaticKVCache`` float32 — both must give (a)'s
     tokens and, to float tolerance, its logits (exit status 1 if not);
-(d) a ``StaticKVCache`` in a low-precision dtype (bfloat16 by default): its
-    drift from (a) is reported;
+(d) a ``StaticKVCache`` in a low-precision dtype (bfloat16 by default) or a
+    quantised format (``--kv-dtype q8_0`` / ``q4_0``: blocks of 32 along the
+    head, so the decoder's head size must be a multiple of 32 — the default
+    size is then ``base``, the smallest preset with one); its token agreement
+    with (c), the float32 cache, and its logit drift from it are reported;
 (e) a circular ``StaticKVCache`` with a sliding window, prefilled in chunks that
     wrap around the ring: checked against (a') a no-cache recompute with the
     same window (``left_window_size``).
@@ -26,7 +29,13 @@ import numkv
 RTOL = 1e-4
 ATOL = 1e-4
 
-KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "q8_0", "q4_0")
+# numkv.quantize's block formats: the cache quantises each token's blocks of
+# 32 head elements on append (numkv.StaticKVCache(..., dtype="q8_0")).
+QUANTIZED = ("q8_0", "q4_0")
+BLOCK = 32
+SIZES = ("tiny", "small", "base")
+DEFAULT_SIZE = "small"
 
 
 def add_parser(subparsers):
@@ -40,21 +49,53 @@ def add_parser(subparsers):
                    help="longest prompt; the others are shorter, down to half (default 64)")
     p.add_argument("--new-tokens", type=count(1), default=32, metavar="N",
                    help="tokens generated per prompt (default 32)")
-    p.add_argument("--size", default="small", choices=("tiny", "small", "base"),
-                   help="decoder preset (default small)")
+    p.add_argument("--size", default=None, choices=SIZES,
+                   help=f"decoder preset (default {DEFAULT_SIZE}; with a quantised --kv-dtype, "
+                        f"{_quantized_size()}: the smallest whose head size {BLOCK} divides)")
     p.add_argument("--threads", type=count(1, MAX_WORKERS), default=None, metavar="N",
                    help="numkv's threads (default: numkv's, one per core)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=KV_DTYPES,
-                   help="dtype of the low-precision cache (d) (default bfloat16)")
+                   help="dtype of the low-precision cache (d), or a quantised format (q8_0, q4_0: "
+                        "blocks of 32, so a head size 32 divides) (default bfloat16)")
     p.add_argument("--window", type=count(1), default=None, metavar="N",
                    help="sliding window of the circular cache (e) (default prompt-len // 2)")
     p.add_argument("--seed", type=count(0), default=0, metavar="N",
                    help="weights and prompts seed, >= 0 (default 0)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, check=check, parser=p)
     return p
 
 
+def _head_dim(size):
+    from numkv.layers import PRESETS
+
+    return PRESETS[size]["embed_dim"] // PRESETS[size]["num_heads"]
+
+
+def _quantized_size():
+    """The smallest preset whose head size the quantised formats' block divides."""
+    return next(size for size in SIZES if _head_dim(size) % BLOCK == 0)
+
+
+def _size(args):
+    """``--size``, or its default for ``--kv-dtype``."""
+    if args.size is not None:
+        return args.size
+    return _quantized_size() if args.kv_dtype in QUANTIZED else DEFAULT_SIZE
+
+
+def check(args):
+    """What is wrong with the options together (None: nothing)."""
+    if args.kv_dtype in QUANTIZED and args.size is not None and _head_dim(args.size) % BLOCK:
+        return (f"--kv-dtype {args.kv_dtype} quantises blocks of {BLOCK} along the head, but --size "
+                f"{args.size} has head size {_head_dim(args.size)}: use --size {_quantized_size()} "
+                f"(head size {_head_dim(_quantized_size())}), or leave --size out")
+    return None
+
+
 def _dtype(name):
+    """A NumPy dtype, or a quantised format's name (the cache's ``dtype``)."""
+    if name in QUANTIZED:
+        return name
     import ml_dtypes
 
     return np.dtype(getattr(ml_dtypes, name, None) or name)
@@ -109,6 +150,18 @@ def _same_prefix(tokens, ref):
     return prefix
 
 
+def _drift(tokens, logits, ref_tokens, ref_logits):
+    """A lossy cache's drift from a reference run, as one line: the tokens
+    equal to the reference's (position by position) and the largest logit
+    difference before the rows diverge, absolute and as a fraction of the
+    reference's largest logit (the scale greedy choices are made on)."""
+    _, _, worst, n_equal = _compare(tokens, logits, ref_tokens, ref_logits)
+    scale = float(np.abs(ref_logits).max()) if ref_logits.size else 0.0
+    relative = f" = {worst / scale:.2%} of max |logit| {scale:.3g}" if scale else ""
+    return (f"{n_equal}/{tokens.size} tokens equal ({n_equal / max(tokens.size, 1):.1%}), "
+            f"max |dlogit| {worst:.2e}{relative} (before divergence)")
+
+
 def _compare(tokens, logits, ref_tokens, ref_logits):
     """Compare a run with a reference run.
 
@@ -145,7 +198,8 @@ def run(args):
         raise SystemExit("demo: --batch, --prompt-len and --new-tokens must be >= 1")
     window = max(1, args.prompt_len // 2) if args.window is None else args.window
     kv_dtype = _dtype(args.kv_dtype)
-    decoder = Decoder(args.size, seed=args.seed)
+    size = _size(args)
+    decoder = Decoder(size, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     lens = np.linspace(max(1, args.prompt_len // 2), args.prompt_len, args.batch).round().astype(int)
     prompts = [rng.integers(0, decoder.vocab_size, n) for n in lens]
@@ -157,14 +211,18 @@ def run(args):
         ("(a) no cache (recompute prefix)", dict(cache=None), None),
         ("(b) DynamicKVCache", dict(cache="dynamic"), "a"),
         ("(c) StaticKVCache float32", dict(cache="static"), "a"),
-        (f"(d) StaticKVCache {kv_dtype}", dict(cache="static", dtype=kv_dtype), "drift"),
+        (f"(d) StaticKVCache {kv_dtype}", dict(cache="static", dtype=kv_dtype), "drift vs c"),
         (f"(a') no cache, window {window}", dict(cache=None, window=window), None),
         (f"(e) circular StaticKVCache, window {window}", ring, "a'"),
     ]
     cfg = decoder.config
-    print(f"numkv demo: decoder {args.size!r} (embed {cfg['embed_dim']}, {cfg['num_layers']} layers, "
-          f"{cfg['num_heads']} query / {cfg['num_kv_heads']} kv heads, vocab {cfg['vocab_size']}), "
-          f"{numkv.get_num_threads()} threads")
+    why = ""
+    if args.size is None and size != DEFAULT_SIZE:
+        why = (f"; {size}: --kv-dtype {args.kv_dtype} quantises blocks of {BLOCK} along the head, "
+               f"{DEFAULT_SIZE}'s head size is {_head_dim(DEFAULT_SIZE)}")
+    print(f"numkv demo: decoder {size!r} (embed {cfg['embed_dim']}, {cfg['num_layers']} layers, "
+          f"{cfg['num_heads']} query / {cfg['num_kv_heads']} kv heads of {_head_dim(size)}, "
+          f"vocab {cfg['vocab_size']}{why}), {numkv.get_num_threads()} threads")
     print(f"batch {args.batch}, prompts of {lens.min()}..{lens.max()} tokens, "
           f"{args.new_tokens} new tokens each, greedy")
 
@@ -187,12 +245,11 @@ def run(args):
     refs, ok = {}, True
     for label, kwargs, against in runs:
         tokens, logits, elapsed = _timed(decoder, prompts, args.new_tokens, label, **kwargs)
+        refs[label[1:label.index(")")]] = (tokens, logits, elapsed)
         if against is None:  # a reference run
-            refs[label[1:label.index(")")]] = (tokens, logits, elapsed)
             note = "reference" if label.startswith("(a)") else "reference for (e)"
-        elif against == "drift":
-            _, _, worst, n_equal = _compare(tokens, logits, *refs["a"][:2])
-            note = f"drift: {n_equal}/{total} tokens equal, max |dlogit| {worst:.2e} (before divergence)"
+        elif against == "drift vs c":  # a lossy cache against the float32 one
+            note = "drift vs (c): " + _drift(tokens, logits, *refs["c"][:2])
         else:
             good, what, worst, _ = _compare(tokens, logits, *refs[against][:2])
             ok &= good
