@@ -107,6 +107,59 @@ def _attention_group(q_name, kv_names, softmax_precision=None):
             call(q.transpose(0, 2, 1, 3).reshape(b, sq, 128), k3, k3, q_num_heads=4, kv_num_heads=2)
 
 
+def _quantized_group():
+    """Quantised K/V (``numkv.quantize``'s formats): ``numkv.attention`` over
+    q8_0, q4_0, int8 and int4 (scales per tensor and per channel) K/V with Q
+    in every float dtype a model runs in — decode over short and long caches,
+    prefill, masks, causal with a past, ``nonpad_kv_seqlen`` and windows,
+    sequence slices of the codes — and the appends that fill such caches:
+    ``tensor_scatter`` into a ``QuantizedArray`` (float or quantised
+    updates, linear and circular) and ``StaticKVCache(dtype="q8_0" |
+    "q4_0")`` in both modes, read through ``attention_inputs()``.  Today the
+    kernels read every format through the float32 / float64 specialisations
+    (the format is a run-time code), so after the float groups this group
+    compiles nothing; alone (``--group``) it warms exactly what a quantised
+    decoder needs, and it keeps doing so if a format ever gets a kernel of
+    its own."""
+    rng = np.random.default_rng(0)
+
+    def arr(shape, dtype=np.float32):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32).astype(dtype)
+
+    per_channel = np.linspace(0.01, 0.04, 2 * 32, dtype=np.float32).reshape(1, 2, 1, 32)
+    for fmt, scale in (("q8_0", None), ("q4_0", None), ("int8", 0.02), ("int4", 0.3),
+                       ("int8", per_channel), ("int4", per_channel * 8)):
+        for b, sq, skv in ((2, 1, 3), (2, 1, 64), (1, 1, 1500), (1, 1, 5000), (2, 4, 700), (1, 160, 160)):
+            k = numkv.quantize(arr((b, 2, skv + 8, 32)), fmt, scale=scale)
+            v = numkv.quantize(arr((b, 2, skv + 8, 32)), fmt, scale=scale)
+            for q_name in ("float32", "float16", "bfloat16", "float64"):
+                q = arr((b, 4, sq, 32), _dtype(q_name))
+                kk, vv = k[:, :, :skv], v[:, :, 8:]  # sequence slices: views of the codes
+                numkv.attention(q, kk, vv)
+                numkv.attention(q, kk, vv, is_causal=True, softcap=30.0, scale=0.2)
+                numkv.attention(q, kk, vv, attn_mask=rng.random((sq, skv)) < 0.8)
+                numkv.attention(q, kk, vv, attn_mask=arr((b, 1, sq, skv), np.float32 if q_name != "float64"
+                                                         else np.float64))
+                numkv.attention(q, kk, vv, nonpad_kv_seqlen=np.full(b, max(1, skv - 2)), is_causal=True,
+                                left_window_size=7, right_window_size=0)
+                numkv.attention(q, kk[:, :, :1], vv[:, :, :1], past_key=kk[:, :, 1:],
+                                past_value=vv[:, :, 1:], is_causal=True)
+            update = arr((b, 2, 3, 32))
+            starts = np.array([0, 5][:b])
+            numkv.tensor_scatter(k, update, starts, out=k)
+            numkv.tensor_scatter(k, numkv.quantize(update, fmt, scale=scale), starts - 6, mode="circular", out=k)
+            numkv.tensor_scatter(k, update, starts)
+    for fmt in ("q8_0", "q4_0"):
+        for mode, window in (("linear", None), ("circular", 24)):
+            for b, capacity in ((2, 40), (4, 2048)):
+                cache = numkv.StaticKVCache(b, 2, capacity, 64, dtype=fmt, v_head_dim=32, mode=mode,
+                                            window=window)
+                for new, q_name in ((7, "float32"), (1, "float32"), (1, "bfloat16"), (1, "float16")):
+                    cache.append(arr((b, 2, new, 64), _dtype(q_name)), arr((b, 2, new, 32), _dtype(q_name)),
+                                 lengths=np.full(b, new) - (np.arange(b) % 2) * (new > 1))
+                    numkv.attention(arr((b, 4, new, 64), _dtype(q_name)), **cache.attention_inputs())
+
+
 LOW = ("float16", "bfloat16", *FLOAT8)
 
 # In the order they start: the groups that compile the most first (float32
@@ -122,6 +175,7 @@ GROUPS = {
     "attention float32 Q + low-precision K/V": lambda: _attention_group("float32", LOW),
     "attention softmax_precision=11": lambda: [_attention_group(n, [n], softmax_precision=11)
                                                for n in ("float32", "float16", "bfloat16")],
+    "attention quantised K/V": _quantized_group,
 }
 
 
