@@ -68,8 +68,15 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   (4.2M MACs) 249-317 vs 253-282 us, Skv=1024 (8.4M) 392-445 vs 364-414
 #   us, Skv=1536 585-624 vs 400-618 us, Skv=2048 1.68-1.81 vs 0.86-0.93 ms.
 #   Right after an idle spell (a sleeping core wakes slowly) one thread did
-#   better up to Skv=1536 (20 ms samples: 654-739 vs 880-915 us).  Not
-#   measured on 16 cores.
+#   better up to Skv=1536 (20 ms samples: 654-739 vs 880-915 us).
+# * Larger calls use at most one thread per ``SINGLE_THREAD_MACS / 2``
+#   multiply-adds (``_useful_threads``): each share handed out costs the
+#   caller ~20 us, which a small share does not repay.  On 16 Intel cores
+#   (decode Hq=32 Hkv=8, medians; us on 1 / 2 / 4 / 8 / 16 threads):
+#   D=128 Skv=1024 (8.4M MACs) 475 / 307 / 297 / 298 / 651, D=64 Skv=2048
+#   (8.4M) 874 / 478 / 355 / 329 / 605, D=128 Skv=4096 (33.5M) 1963 / 1141 /
+#   837 / 605 / 774, Skv=16384 (134M) 10424 / 5229 / 2374 / 1509 / 1386.
+#   The rule takes 2, 2, 8 and 16 of them; on 2 cores it changes nothing.
 BLAS_MIN_ROWS = 16
 ROWS_PER_TILE, MIN_ROWS_PER_TILE, BLAS_BLOCK_K = 512, 128, 256
 SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K, GEMM_MNK_LIMIT = 128, 64, 1 << 18
@@ -329,8 +336,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     block_k = block_k or auto_k
     uses_blas = group * block_q >= blas_rows
     n_q_tiles = -(-sq // block_q)
-    # The tiniest calls cost less than handing out shares to other threads.
-    small = b * hq * sq * total * (d + dv) < SINGLE_THREAD_MACS
+    threads = _useful_threads(b * hq * sq * total * (d + dv))
+    small = threads == 1
     if kv_chunk is None:
         # Chunks exist to feed threads; on one they only add a merge (Hq=16
         # Hkv=4 D=64 Skv=1088: 140 us a call unsplit, 147 in 3 chunks).
@@ -380,13 +387,23 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         floats=np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype),
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
-        small=small, claimed=CLAIM_ITEMS and not small,
+        small=small, claimed=CLAIM_ITEMS and not small, threads=threads,
         merge_small=small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS,
         y_scale=output_scale(call.v, hq, call.acc_dtype))
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
         _keep(key, plan)
     return plan.run(inputs[:5], inputs[5], y)
+
+
+def _useful_threads(macs):
+    """How many threads a call of ``macs`` multiply-adds is worth: one below
+    ``SINGLE_THREAD_MACS``, else one per ``SINGLE_THREAD_MACS / 2`` (the
+    numbers are above ``SINGLE_THREAD_MACS``)."""
+    if macs < SINGLE_THREAD_MACS:
+        return 1
+    per_thread = SINGLE_THREAD_MACS // 2
+    return int(macs // per_thread) if per_thread else pool.MAX_WORKERS + 1  # (tests set 0: no limit)
 
 
 @dataclass(slots=True)
@@ -408,6 +425,7 @@ class _Plan:
     v_head_size: int
     small: bool
     claimed: bool
+    threads: int  # at most this many share the kernel (``_useful_threads``)
     merge_small: bool
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
 
@@ -438,7 +456,7 @@ class _Plan:
         pool.run(kernels.attention_items, self.n_items * self.n_chunks, (
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter),
-            self.small, self.claimed)
+            self.small, self.claimed, max_threads=self.threads)
         if self.n_chunks > 1:  # merge the chunks' partial softmaxes
             pool.run(kernels.attention_merge, self.n_items,
                          (flat_y, self.ints, self.desc, part_m, part_l, part_acc), self.merge_small)

@@ -151,10 +151,10 @@ def run_on_threads(call, threads, claim=False, **kwargs):
     shares = []
     run = pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
         assert claimed == (claim and kernel.__name__ == "attention_items")
         shares.append(1 if small else min(threads, n_items))
-        return run(kernel, n_items, args, small, claimed)
+        return run(kernel, n_items, args, small, claimed, max_threads)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_attention, "SINGLE_THREAD_MACS", 0)
@@ -224,6 +224,30 @@ def test_thread_count_does_not_change_y_split_decode():
     assert_close_f32(one, _attention.run(call, kv_chunk=call.total), {"K": k, "V": v})
 
 
+def test_threads_are_capped_by_the_work(monkeypatch):
+    """A call uses at most one thread per SINGLE_THREAD_MACS / 2 multiply-adds
+    (a share handed out costs ~20 us), whatever numkv's thread count, and Y
+    does not change with it."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 32, 1, 128), np.float32)
+    k = rng.standard_normal((1, 8, 1024, 128), np.float32)      # 8.4M MACs: 2 threads
+    used, run = [], pool.run
+
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
+        if kernel.__name__ == "attention_items":
+            used.append(1 if small else min(16, n_items, max_threads or 16))
+        return run(kernel, n_items, args, small, claimed, max_threads)
+
+    monkeypatch.setattr(thread_count, "get_num_threads", lambda: 16)
+    monkeypatch.setattr(pool, "run", spy)
+    y16 = numkv.attention(q, k, k)
+    long_k = np.concatenate([k] * 4, axis=2)                      # 33.5M MACs: 8 threads
+    numkv.attention(q, long_k, long_k)
+    assert used == [2, 8]
+    monkeypatch.setattr(thread_count, "get_num_threads", lambda: 1)
+    np.testing.assert_array_equal(y16, numkv.attention(q, k, k))
+
+
 def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
     # A call below SINGLE_THREAD_MACS runs on one thread: its keys are not
     # split into chunks (no merge); a larger one is.  Both match a forced split.
@@ -234,7 +258,7 @@ def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
     call = _attention.prepare(q, k, v)
     macs = 4 * 3000 * 32
     kernels, run = [], pool.run
-    monkeypatch.setattr(pool, "run", lambda kernel, *a: kernels.append(kernel.__name__) or run(kernel, *a))
+    monkeypatch.setattr(pool, "run", lambda kernel, *a, **kw: kernels.append(kernel.__name__) or run(kernel, *a, **kw))
     for threshold, merged in ((macs + 1, False), (macs, True)):
         kernels.clear()
         monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", threshold)

@@ -227,11 +227,11 @@ def _in_worker(seed):
     k = rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
     used, run = set(), pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
         def counted(first, stop, *a):
             used.add(threading.get_ident())
             return kernel(first, stop, *a)
-        return run(counted, n_items, args, small, claimed)
+        return run(counted, n_items, args, small, claimed, max_threads)
 
     pool.run = spy
     try:

@@ -305,10 +305,10 @@ def spy_kernels(monkeypatch):
     calls = {"serial": 0, "parallel": 0}
     run = pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
         if kernel is scatter_kernels.scatter_items:
             calls["serial" if small else "parallel"] += 1
-        return run(kernel, n_items, args, small, claimed)
+        return run(kernel, n_items, args, small, claimed, max_threads)
 
     monkeypatch.setattr(pool, "run", spy)
     return calls

@@ -289,5 +289,5 @@ def test_float16_prefill_takes_the_narrowing_kernel(monkeypatch):
 def spy_on_kernels(monkeypatch):
     """The names of the kernels the wrapper runs on its pool, as they run."""
     ran, run = [], _attention.pool.run
-    monkeypatch.setattr(_attention.pool, "run", lambda kernel, *a: ran.append(kernel.__name__) or run(kernel, *a))
+    monkeypatch.setattr(_attention.pool, "run", lambda kernel, *a, **kw: ran.append(kernel.__name__) or run(kernel, *a, **kw))
     return ran
