@@ -1,8 +1,13 @@
 """Decode time against numkv's thread count, beside torch's packed-GQA SDPA on 16
 threads, and the pool's launch of an empty kernel: `python tools/thread_scaling.py`
 (needs torch)."""
-import time, statistics, sys
-import numpy as np, numkv
+
+import statistics
+import time
+
+import numpy as np
+
+import numkv
 from numkv._runtime import pool
 
 def med(fn, n=200, min_s=0.3):
