@@ -408,8 +408,9 @@ def _quantize_blocks(x, format, name):
     """q8_0 / q4_0 of ``x`` (last axis a multiple of 32) as llama.cpp's blocks."""
     qmax = _QMAX[format]
     lo, hi = CODE_RANGE[format]
-    blocks = x.astype(np.float64).reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
-    _check_finite_values(blocks, name)
+    wide = x.astype(np.float64)
+    _check_finite_values(wide, name)  # before the block view: the position is x's
+    blocks = wide.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
     amax = np.abs(blocks).max(axis=-1, initial=0.0)
     with np.errstate(over="ignore"):
         d = (amax / qmax).astype(_FLOAT16)
@@ -496,6 +497,13 @@ def scatter_operands(past_cache, update, out, axis, in_place):
             and -ndim <= axis < ndim and axis % ndim == ndim - 1:
         raise ValueError(f"axis {axis} is the quantised last axis (head size); a QuantizedArray is "
                          f"scattered along a sequence axis")
+    if not isinstance(update, QuantizedArray):
+        update = as_array(update, "update")
+    if update.ndim != ndim:
+        raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
+    if update.shape[-1] != past_cache.shape[-1]:
+        raise ValueError(f"update.shape[{ndim - 1}] = {update.shape[-1]} does not match "
+                         f"past_cache.shape[{ndim - 1}] = {past_cache.shape[-1]}")
     if isinstance(update, QuantizedArray):
         if update.format != fmt:
             raise TypeError(f"update has format {update.format}, past_cache has {fmt} (no implicit "
@@ -504,19 +512,8 @@ def scatter_operands(past_cache, update, out, axis, in_place):
             raise ValueError(f"update's {fmt} scale differs from past_cache's: codes of one cache "
                              f"share one scale")
     else:
-        update = as_array(update, "update")
-        if update.ndim != ndim:
-            raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
         scale = None if fmt in BLOCK_BYTES else past_cache.scales
-        if update.shape[-1] != past_cache.shape[-1]:
-            raise ValueError(f"update.shape[{ndim - 1}] = {update.shape[-1]} does not match "
-                             f"past_cache.shape[{ndim - 1}] = {past_cache.shape[-1]}")
         update = quantize_as(update, fmt, scale, "update", "past_cache's scale")
-    if update.ndim != ndim:
-        raise ValueError(f"update has rank {update.ndim}, past_cache has rank {ndim}")
-    if update.shape[-1] != past_cache.shape[-1]:
-        raise ValueError(f"update.shape[{ndim - 1}] = {update.shape[-1]} does not match "
-                         f"past_cache.shape[{ndim - 1}] = {past_cache.shape[-1]}")
     out_storage = None
     if in_place:
         out_storage = past_cache.storage

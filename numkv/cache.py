@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._dtypes import is_attention_dtype, is_cache_dtype
-from ._quantize import QuantizedArray, quantize_as, zeros
+from ._quantize import BLOCK, QuantizedArray, quantize_as, zeros
 from ._scatter import MODES, tensor_scatter
 from ._validate import as_array, as_count, as_int64, index_vector
 
@@ -195,8 +195,8 @@ class _KVCache:
 
         Returns
         -------
-        keys : ndarray, shape ``(B, H, n, D)``, or None (an empty ``DynamicKVCache``)
-        values : ndarray, shape ``(B, H, n, Dv)``, or None
+        keys : ndarray or QuantizedArray (a q8_0 / q4_0 cache), shape ``(B, H, n, D)``, or None (an empty ``DynamicKVCache``)
+        values : ndarray or QuantizedArray, shape ``(B, H, n, Dv)``, or None
             ``n`` is the longest row's length (``seq_len``; for a circular
             cache at most ``max_seq_len``, in slot order: ``positions()``).
             Rows shorter than ``n`` hold stale data past their own length;
@@ -456,7 +456,8 @@ class StaticKVCache(_KVCache):
     out=buffer)``: no allocation for the buffers, O(new tokens) per call.
     ``get()`` returns views, never copies.  Any dtype ``tensor_scatter`` takes
     (float32, float16, bfloat16, the float8 types of ``ml_dtypes``, ...); keys
-    and values must arrive in that dtype — quantising is the caller's choice.
+    and values must arrive in that dtype (no implicit cast); a ``"q8_0"`` /
+    ``"q4_0"`` cache takes float keys and values and quantises them on append.
 
     ``mode="linear"``: row ``b`` holds positions ``0 .. seq_lens[b] - 1`` in
     order; appending past ``max_seq_len`` raises ``ValueError``.
@@ -520,8 +521,8 @@ class StaticKVCache(_KVCache):
         dtype = _static_cache_dtype(dtype)
         if dtype in QUANTIZED_DTYPES:
             for name, size in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
-                if size % 32:
-                    raise ValueError(f"{name} {size} is not a multiple of {dtype}'s block of 32")
+                if size % BLOCK:
+                    raise ValueError(f"{name} {size} is not a multiple of {dtype}'s block of {BLOCK}")
         self.mode = mode
         self.window = window
         # np.zeros: calloc'd pages, so a large unused capacity costs no time.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
+from ._quantize import BLOCK
 from ._validate import as_array, as_count, as_flag, as_float, index_vector
 from .cache import QUANTIZED_DTYPES, DynamicKVCache, StaticKVCache, _KVCache
 
@@ -68,9 +69,9 @@ def _check_kv_format(dtype, dynamic, head_dim, dynamic_hint, head_hint="", advic
     if dynamic:
         raise ValueError(f"dtype {fmt!r} is a quantised format, which only a StaticKVCache holds: "
                          f"{dynamic_hint}")
-    if head_dim % 32:
-        raise ValueError(f"dtype {fmt!r} quantises blocks of 32 along the head: head_dim {head_dim}"
-                         f"{head_hint} is not a multiple of 32{advice}")
+    if head_dim % BLOCK:
+        raise ValueError(f"dtype {fmt!r} quantises blocks of {BLOCK} along the head: head_dim {head_dim}"
+                         f"{head_hint} is not a multiple of {BLOCK}{advice}")
 
 
 def _quantise(x, dtype):

@@ -18,6 +18,7 @@ except ImportError as exc:  # pragma: no cover - exercised without onnx installe
 import numpy as np
 
 from ._attention import prepare, run
+from ._quantize import QuantizedArray
 from ._reference import attention_reference
 from ._scatter import tensor_scatter
 from ._validate import as_int
@@ -47,6 +48,10 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, mode,
     mode = as_int(mode, "qk_matmul_output_mode")
     if mode not in (0, 1, 2, 3):
         raise ValueError(f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {mode}")
+    for name, x in (("K", K), ("V", V), ("past_key", past_key), ("past_value", past_value)):
+        if isinstance(x, QuantizedArray):  # the ONNX op's tensors are arrays
+            raise TypeError(f"{name} is a QuantizedArray: numkv.onnx takes arrays (numkv.attention "
+                            f"reads quantised K/V)")
     call = prepare(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
     y = run(call)
     want_key, want_value, want_scores = wanted

@@ -57,7 +57,7 @@ from transformers.masking_utils import (
 
 import numkv as _numkv
 
-from .cache import StaticKVCache
+from .cache import QUANTIZED_DTYPES, StaticKVCache
 
 __all__ = ["KVCache", "MaskSpec", "attention_forward", "numkv_mask", "register"]
 
@@ -66,7 +66,7 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 # they are (cast once on append where the dtype differs); quantised formats
 # are StaticKVCache formats that quantise on append.
 FLOAT_FORMATS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": _BF16}
-QUANTISED_FORMATS = ("q8_0", "q4_0")
+QUANTISED_FORMATS = QUANTIZED_DTYPES
 _TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -369,7 +369,12 @@ def register(name: str = "numkv") -> str:
         raise ValueError(f"name {name!r} is empty or one of transformers' own implementations")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, numkv_mask)
+    _REGISTERED.add(name)
     return name
+
+
+# The names register() gave numkv's attention (a quantised KVCache needs one).
+_REGISTERED = set()
 
 
 # ---------------------------------------------------------------------------
@@ -394,14 +399,8 @@ class KVCacheLayer(CacheLayerMixin):
         super().__init__()
         self.dtype = dtype
         self.quantised = dtype in QUANTISED_FORMATS
-        try:
-            self.cache = StaticKVCache(batch_size, num_heads, max_cache_len, head_dim, v_head_dim=v_head_dim,
-                                       dtype=dtype)
-        except TypeError as exc:
-            if self.quantised:
-                raise TypeError(f"dtype {dtype!r} needs numkv's quantised StaticKVCache, which this numkv "
-                                f"does not have ({exc})") from None
-            raise
+        self.cache = StaticKVCache(batch_size, num_heads, max_cache_len, head_dim, v_head_dim=v_head_dim,
+                                   dtype=dtype)
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -483,10 +482,7 @@ class KVCacheLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        nbytes = getattr(self.cache, "nbytes", None)
-        if nbytes is None:
-            nbytes = self.cache.key_buffer.nbytes + self.cache.value_buffer.nbytes
-        return int(nbytes)
+        return int(self.cache.nbytes)
 
 
 def _format(dtype):
@@ -532,7 +528,8 @@ class KVCache(Cache):
     dtype : str, numpy or torch dtype, default "float32"
         ``"float32"``, ``"float16"``, ``"bfloat16"`` (keys cast once on append
         where the model's dtype differs), or ``"q8_0"`` / ``"q4_0"`` (quantised
-        on append, read in place; they need numkv's quantised StaticKVCache).
+        on append, read in place by numkv's attention only: a model of another
+        ``attn_implementation`` is refused).
 
     Notes
     -----
@@ -553,6 +550,13 @@ class KVCache(Cache):
         if get_text is None:
             raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
         text = get_text(decoder=True)
+        implementation = getattr(text, "_attn_implementation", None)
+        if isinstance(fmt, str) and implementation is not None and implementation not in _REGISTERED:
+            # update() hands the model placeholder tensors (the keys live
+            # quantised in numkv's buffers): eager / sdpa would read NaN.
+            raise ValueError(f"a {fmt} KVCache is read by numkv's attention only: build the model with "
+                             f"attn_implementation='numkv' (numkv.transformers.register()), got "
+                             f"{implementation!r}")
         layer_types, per_layer = get_layer_types_and_kwargs(text)
         q_heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or q_heads

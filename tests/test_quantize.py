@@ -812,3 +812,19 @@ def test_the_constructor_refuses_storage_the_kernel_would_misread():
         QuantizedArray("q8_0", np.zeros((2, 60), np.uint8))
     with pytest.raises(TypeError, match="numkv.quantize"):
         QuantizedArray("int8", np.zeros((1, 2, 3, 4), np.int8))  # no scale
+
+
+def test_a_non_finite_value_is_named_at_its_position_in_x():
+    x = np.zeros((1, 1, 1, 64), np.float32)
+    x[0, 0, 0, 35] = np.inf
+    with pytest.raises(ValueError, match=r"x holds inf \(at \(0, 0, 0, 35\)\)"):
+        numkv.quantize(x, "q8_0")
+
+
+def test_numkv_onnx_names_a_quantised_operand():
+    pytest.importorskip("onnx")
+    import numkv.onnx
+
+    k = numkv.quantize(np.ones((1, 1, 4, 32), np.float32), "q8_0")
+    with pytest.raises(TypeError, match="K is a QuantizedArray"):
+        numkv.onnx.attention(np.ones((1, 1, 1, 32), np.float32), k, k)

@@ -499,6 +499,20 @@ def test_quantised_dtype_is_passed_through_or_refused():
             nt.KVCache(cfg, 2, 32, dtype="q8_0")
 
 
+def test_a_quantised_cache_refuses_a_model_that_would_read_its_placeholders():
+    """update() hands the model placeholder tensors (the keys live quantised in
+    numkv's buffers): a model whose attention is eager or sdpa would read NaN
+    without a word, so a q8_0 KVCache for its config is refused."""
+    wide = dict(SMALL, hidden_size=256)  # head_dim 32: q8_0's block
+    for implementation in ("eager", "sdpa"):
+        cfg = LlamaConfig(num_hidden_layers=1, **wide)
+        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=implementation)
+        assert m.config._attn_implementation == implementation
+        with pytest.raises(ValueError, match="attn_implementation='numkv'"):
+            nt.KVCache(m.config, 1, 32, dtype="q8_0")
+        nt.KVCache(m.config, 1, 32)  # a float cache serves them
+
+
 def test_import_numkv_imports_no_torch():
     import subprocess
     import sys

@@ -32,7 +32,7 @@ from . import thread_count
 
 MAX_WORKERS = 1023
 # How long a caller that has done its own share spins for the workers' shares
-# before it sleeps: 20,000 polls of ~30 ns (why: ``_kernels/pool.py``).
+# before it sleeps: 20,000 polls of ~30 ns (why: ``_kernels/spin_wait.py``).
 SPIN_POLLS = 20_000
 _SLOT = 8  # int64s per worker in the finished-flags array: one cache line each
 
