@@ -399,7 +399,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
 def _useful_threads(macs):
     """How many threads a call of ``macs`` multiply-adds is worth: one below
     ``SINGLE_THREAD_MACS``, else one per ``SINGLE_THREAD_MACS / 2`` (the
-    numbers are above ``SINGLE_THREAD_MACS``)."""
+    measurements are in the comment above ``SINGLE_THREAD_MACS``)."""
     if macs < SINGLE_THREAD_MACS:
         return 1
     per_thread = SINGLE_THREAD_MACS // 2

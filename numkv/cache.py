@@ -588,8 +588,10 @@ class StaticKVCache(_KVCache):
         Parameters
         ----------
         key : ndarray, shape ``(B, H, S, D)``
-            New keys, in the cache's dtype (no implicit cast).  A view of the
-            cache's own buffers is copied first.
+            New keys, in the cache's dtype (no implicit cast); for a
+            ``"q8_0"`` / ``"q4_0"`` cache float keys, quantised here, each
+            token's blocks on their own.  A view of the cache's own buffers
+            is copied first.
         value : ndarray, shape ``(B, H, S, Dv)``
             New values, same dtype.
         lengths : int array, shape ``(B,)``, optional
