@@ -361,7 +361,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    inputs, desc, bases = [], [], []
+    inputs, desc, bases, dtype_codes = [], [], [], []
     # A QuantizedArray is read as its storage's bytes (``layout.QUANT_FORMATS``);
     # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
     q = folded_query(call.q, call.k, call.acc_dtype)
@@ -369,8 +369,9 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         flat, base, strides = byte_operand(kernel_array(arr))
         inputs.append(flat)
         bases.append(base)
-        desc += (base, *strides,
-                 codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format))
+        code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
+        desc += (base, *strides, code)
+        dtype_codes.append(code)
     size = call.acc_dtype.itemsize
     if call.mask is None:
         inputs.append(_NO_MASK[size])
@@ -381,6 +382,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         desc += (base, *strides, 0)
     desc += (0, *[s // size for s in y4.strides], 0)  # Y: new and contiguous, y4 starts where y does
     n_items, rows = b * hkv * n_units, group * block_q
+    # The loops of the formats it reads, compiled before the kernel runs.
+    loops = kernels.loop_addresses(size // 8, dtype_codes)
     plan = _Plan(
         ints=ints,
         desc=np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS)),
@@ -389,7 +392,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         small=small, claimed=CLAIM_ITEMS and not small, threads=threads,
         merge_small=small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS,
-        y_scale=output_scale(call.v, hq, call.acc_dtype))
+        y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
         _keep(key, plan)
@@ -428,6 +431,7 @@ class _Plan:
     threads: int  # at most this many share the kernel (``_useful_threads``)
     merge_small: bool
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
+    loops: np.ndarray = None  # the addresses of its formats' loops (``format_loops``)
 
     def run_qkv(self, Q, K, V):
         """Y for the aligned, C-contiguous Q, K and V of a call with no past
@@ -455,7 +459,8 @@ class _Plan:
         flat_y = y.reshape(-1)
         pool.run(kernels.attention_items, self.n_items * self.n_chunks, (
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
-            self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, part_m, part_l, part_acc, counter),
+            self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, self.loops, part_m, part_l, part_acc,
+            counter),
             self.small, self.claimed, max_threads=self.threads)
         if self.n_chunks > 1:  # merge the chunks' partial softmaxes
             pool.run(kernels.attention_merge, self.n_items,

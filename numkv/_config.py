@@ -47,6 +47,24 @@ def jit(reassociate=False, contract=False, inline=False):
 
     return decorate
 
+
+def c_function(signature):
+    """A ``numba.cfunc`` of ``signature`` (compiled now, kept in the disk
+    cache as ``jit``'s kernels are): a function jitted code calls by its
+    address (``_kernels.simd._call``), compiled on its own."""
+    import numba
+
+    def decorate(func):
+        if CACHE:
+            try:
+                return numba.cfunc(signature, cache=True, error_model="numpy")(func)
+            except RuntimeError:  # no writable cache locator (read-only install)
+                pass
+        return numba.cfunc(signature, error_model="numpy")(func)
+
+    return decorate
+
+
 # Tests set this to route every op through its plain NumPy reference path.
 REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
 

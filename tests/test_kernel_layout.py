@@ -28,6 +28,7 @@ KERNEL_LAYERS = [
     ["simd"],
     ["gemm", "widen"],
     ["decode_loops"],
+    ["format_loops"],
     ["attention", "narrow", "spin_wait", "scatter", "read_bandwidth"],
 ]
 
@@ -79,9 +80,11 @@ def helpers_sha256(module):
 def _compiles_kernels(tree):
     """Whether a module defines a jitted function that is compiled, and
     cached, on its own: ``@jit(...)`` without ``inline=True`` (an inlined
-    helper compiles into its callers)."""
+    helper compiles into its callers), or ``@c_function(...)``."""
     for node in ast.walk(tree):
         for deco in getattr(node, "decorator_list", ()):
+            if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "c_function":
+                return True
             if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "jit":
                 if not any(k.arg == "inline" and getattr(k.value, "value", False) for k in deco.keywords):
                     return True
@@ -105,7 +108,7 @@ GUARDED = [m for m in KERNEL_MODULES
 def test_the_guarded_modules_are_the_expected_ones():
     # A new module whose kernels inline helpers joins GUARDED by itself;
     # this pins the list so that losing one (a parsing slip) shows.
-    assert {"numkv._kernels.attention", "numkv._kernels.widen", "numkv._kernels.narrow",
+    assert {"numkv._kernels.attention", "numkv._kernels.format_loops", "numkv._kernels.narrow",
             "numkv._kernels.spin_wait"} <= set(GUARDED)
 
 

@@ -277,7 +277,7 @@ def test_a_given_scale_is_copied_and_read_only():
 @pytest.mark.parametrize("f16c", [True, False], ids=["f16c", "no-f16c"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_tile_widening_gives_the_dequantised_values(fmt, f16c):
-    """``widen._widen_rows`` on rows of every format (a row of 32 blocks,
+    """The tile loop (``widen._rows_quantized``) on rows of every format (a row of 32 blocks,
     every code and scales from subnormal to large; int8 / int4 rows of a
     width 32 does not divide take the element tail) into float32 and
     float64 tiles: exactly ``dequantize()`` (int8 / int4: the codes, whose
@@ -296,8 +296,8 @@ def test_the_tile_widening_gives_the_dequantised_values(fmt, f16c):
     want = q.dequantize(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
     storage = np.ascontiguousarray(q.storage).view(np.uint8)
     row_bytes = storage.shape[-1]
-    kernel = njit(widen._widen_rows.py_func)
     code = layout.Q8_0 + layout.QUANT_FORMATS.index(fmt)
+    kernel = njit(widen._rows_quantized.py_func)
     with cpu.forcing(f16c=f16c):
         for dtype in (np.float32, np.float64):
             out = np.full((4, width), -1.0, dtype)
@@ -331,8 +331,8 @@ def test_decode_loops_read_quantized_rows_in_place(fmt, f16c):
     code = layout.Q8_0 + layout.QUANT_FORMATS.index(fmt)
     query = rng.standard_normal((4, d)).astype(np.float32)
 
-    @njit
-    def run(rows, ld, q, code, values, scores, ones):
+    @njit  # ``code`` a constant of it, as in format_loops' functions
+    def run(rows, ld, q, values, scores, ones):
         zero = np.uint64(0)
         width = np.uint64(q.shape[1])
         n = values.shape[0]
@@ -352,7 +352,7 @@ def test_decode_loops_read_quantized_rows_in_place(fmt, f16c):
     values = np.zeros((8, 5, d), np.float32)
     scores = np.full((2, 4 * 8), np.nan, np.float32)
     with cpu.forcing(f16c=f16c):
-        run(storage.reshape(-1), ld, query, np.int64(code), values, scores, np.ones(4, np.float32))
+        run(storage.reshape(-1), ld, query, values, scores, np.ones(4, np.float32))
     for r in range(5):
         assert np.array_equal(values[:, r], want), r
     dots = query.astype(np.float64) @ want.T  # (4 rows, 8 keys)

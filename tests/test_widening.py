@@ -40,18 +40,25 @@ def runnable(forced):
                         "compiles it for a CPU that has it)")
 
 
+# The tile loop of each narrow dtype (``format_loops`` compiles it into the
+# C function that widens that dtype's rows).
+TILE_LOOPS = {"float16": widen._rows_float16, "bfloat16": widen._rows_bfloat16, "float8_e4m3fn": widen._rows_e4m3fn,
+              "float8_e4m3fnuz": widen._rows_fnuz, "float8_e5m2": widen._rows_e5m2,
+              "float8_e5m2fnuz": widen._rows_fnuz, "float8_e8m0fnu": widen._rows_e8m0}
+
+
 def widened(dtype, patterns, stride=1, kernel=None):
-    """``patterns`` (unsigned bits of ``dtype``) through ``_widen_rows`` (or
-    ``kernel``, a dispatcher of the same function), as a (1, n) row read
-    with element ``stride``."""
+    """``patterns`` (unsigned bits of ``dtype``) through the tile loop of
+    ``dtype`` (``TILE_LOOPS``; or ``kernel``, a dispatcher of the same
+    function), as a (1, n) row read with element ``stride``."""
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     n = patterns.size
     spread = np.zeros(n * stride, patterns.dtype)
     spread[::stride] = patterns
     out = np.full((1, n), -1.0, np.float32)
-    (kernel or widen._widen_rows)(out, np.int64(0), np.int64(1), np.int64(n), spread.view(np.uint8),
-                                  codes[dtype], np.int64(0), np.int64(n * stride), np.int64(stride), e8m0_table(),
-                                  kernels.FORMAT_TABLE)
+    (kernel or TILE_LOOPS[dtype.name])(out, np.int64(0), np.int64(1), np.int64(n), spread.view(np.uint8),
+                                              codes[dtype], np.int64(0), np.int64(n * stride), np.int64(stride),
+                                              e8m0_table(), kernels.FORMAT_TABLE)
     return out[0]
 
 
@@ -79,7 +86,7 @@ def test_every_bit_pattern_widens_exactly_without_f16c(name):
 
     dtype = np.dtype(getattr(ml_dtypes, name, name))
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
-    kernel = njit(widen._widen_rows.py_func)
+    kernel = njit(TILE_LOOPS[dtype.name].py_func)
     with cpu.forcing(f16c=False):
         got = widened(dtype, patterns, 1, kernel)
     assert_same_floats(got, decode_table(dtype))
@@ -133,8 +140,8 @@ def test_decode_loops_widen_every_pattern_exactly(name, length, forced):
     code = kernel_dtype_codes(kernels.DTYPE_CODES)[dtype]
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
 
-    @njit
-    def widen_all(v_rows, keys, q, code, values, scores, ones, q_rows):
+    @njit  # ``code`` a constant of it, as in format_loops' functions: the loops of that format only
+    def widen_all(v_rows, keys, q, values, scores, ones, q_rows):
         width = np.uint64(q.size)
         whole = values.shape[1] // 4
         zero = np.uint64(0)
@@ -162,12 +169,11 @@ def test_decode_loops_widen_every_pattern_exactly(name, length, forced):
     v_rows = np.zeros((whole // length, 4, length), patterns.dtype)  # each row of patterns, three of zeros
     v_rows[:, 0] = patterns[:whole].reshape(-1, length)
     with cpu.forcing(**FORCED[forced]):  # compiles widen_all, a fresh dispatcher
-        widen_all(v_rows.reshape(-1).view(np.uint8), keys.reshape(-1).view(np.uint8), q, code, values, scores,
+        widen_all(v_rows.reshape(-1).view(np.uint8), keys.reshape(-1).view(np.uint8), q, values, scores,
                   np.ones(4, np.float32), (np.uint64(0),) * 4)
     llvm = widen_all.inspect_llvm(widen_all.signatures[0])
-    # the choice forced is the code compiled (every loop holds every format's
-    # path, chosen at run time): the blocks' byte table, F16C's conversion
-    assert ("vpermi2var" in llvm) == (forced == "vbmi")
+    # the choice forced is the code compiled: the blocks' byte table, F16C's conversion
+    assert ("vpermi2var" in llvm) == (forced == "vbmi" and name == "float8_e4m3fn")
     if forced == "no-f16c":
         assert "fpext" not in llvm
     elif name != "bfloat16" and cpu.has_f16c():

@@ -1,7 +1,6 @@
 """Where a cold first ``numkv.attention`` call's compile time goes.
 
     NUMBA_CACHE_DIR=$(mktemp -d) python tools/compile_profile.py                 # float32 decode
-    NUMBA_CACHE_DIR=$(mktemp -d) python tools/compile_profile.py --f32-only      # no narrow K/V loops
     NUMBA_CACHE_DIR=$(mktemp -d) NUMBA_OPT=1 python tools/compile_profile.py
     KV_DTYPE=bfloat16 NUMBA_CACHE_DIR=$(mktemp -d) python tools/compile_profile.py
 
@@ -18,15 +17,14 @@ host's descheduling), exclusive of nested regions, per
 * compiled function (``numba:compile`` events, inclusive of the functions
   compiled while typing it).
 
-``--f32-only`` empties ``_kernels.attention.IN_PLACE`` before the call, so
-the decode loops (``_dots``, ``_axpy``) are emitted for float32 only: what a
-float32 call pays for the narrow formats' loops.  Prints JSON; the figures
+The loops of each K/V format (``numkv._kernels.format_loops``: C functions
+compiled on demand) count in the first call's total and in the stages;
+numba's compile events do not name them.  Prints JSON; the figures
 of 2026-11-26 are in docs/compile-time.md.
 """
 
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 
@@ -95,10 +93,6 @@ def main():
     _timed(caching.Cache, "save_overload", "disk cache save")
 
     import numkv
-    from numkv._kernels import attention as kernels
-
-    if "--f32-only" in sys.argv:
-        kernels.IN_PLACE.clear()
     kv_dtype = os.environ.get("KV_DTYPE", "float32")
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 32, 1, 64), dtype=np.float32)

@@ -24,7 +24,7 @@ transposes and cache slices are read in place and one compiled kernel serves
 every input dtype (one per accumulation dtype).  Elements are widened into
 tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
-(``widen._widen_rows``); K/V rows already in the accumulation dtype, unit
+(``widen._widen_rows_of``); K/V rows already in the accumulation dtype, unit
 stride, are read in place, and so are the rows of ``widen.FORMATS``
 (bfloat16, float16, float8_e4m3fn, float8_e5m2) in decode
 (``widen._kv_tile``), widened as the loops load them (``decode_loops``: a
@@ -91,7 +91,7 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
-from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
+from .format_loops import addresses as loop_addresses  # noqa: F401 (the wrapper's)
 from .gemm import _gemm_accumulate, _gemm_scores
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
@@ -99,17 +99,17 @@ from .layout import (  # noqa: F401
     BASE, BATCH, BF16, BLAS_ROWS, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2,
     E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK,
     HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES, N_UNITS, NAN_BITS, NAN_EM, NONE,
-    PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORE_SCALE, SHIFT, SOFTCAP, STRIDE_B, STRIDE_D,
+    PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORE_SCALE, SCORES, SHIFT, SOFTCAP, STRIDE_B, STRIDE_D,
     STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
-    V_HEAD_SIZE,
+    V_HEAD_SIZE, VALUES,
 )
-from .simd import PREFETCH_KEYS, VECTOR_BYTES, _claim, _float32_from_bits, _maximum, _prefetch_ahead, _row_sum, _view
-from .widen import _itemsize, _kv_tile, _widen_rows
+from .simd import _call, _claim, _float32_from_bits, _maximum, _row_sum, _view
+from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "d1d935e4f3870cc8506d7d09e27611387ba9e9c6882addbcedc4858959d4b306"
+HELPERS_SHA256 = "4139d054792f463212a3998f024493deba59dde4626e47c06ba6f00b11ed80d4"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -117,7 +117,7 @@ HELPERS_SHA256 = "d1d935e4f3870cc8506d7d09e27611387ba9e9c6882addbcedc4858959d4b3
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, part_m, part_l, part_acc, counter):
+                    table, formats, loops, part_m, part_l, part_acc, counter):
     """Work items ``first .. stop``, in order; or, where ``counter`` has an
     element, claimed one at a time (``first + counter[0]``, atomically) by
     every thread running this call over the same range, so that a thread
@@ -180,8 +180,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 for g in range(group):
                     base = (desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
                             + i0 * desc[T_Q, STRIDE_S])
-                    _widen_rows(qt, g * nq, nq, d_k, q, desc[T_Q, DTYPE], base, desc[T_Q, STRIDE_S],
-                                desc[T_Q, STRIDE_D], table, formats)
+                    _widen_rows_of(loops, qt, g * nq, nq, d_k, q, desc[T_Q, DTYPE], base, desc[T_Q, STRIDE_S],
+                                   desc[T_Q, STRIDE_D], table, formats)
                 for r in range(rows):
                     for d in range(d_k):
                         qt[r, d] *= q_scale
@@ -200,9 +200,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         n = min(bk, seg_hi + 1 - j0)
                         s = sbuf[:rows * n].reshape((rows, n))
                         kr, ko, kld, kcode, k_in_place = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
-                                                                  desc, tk, table, formats, acc_code, narrow)
+                                                                  desc, tk, table, formats, loops, acc_code, narrow)
                         _scores(qt, kr, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], ints[GEMM_FN], k_in_place,
-                                kcode)
+                                loops[kcode, SCORES])
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
@@ -210,11 +210,11 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                                       desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
                                       desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
                         vr, vo, vld, vcode, v_in_place = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
-                                                                  desc, tv, table, formats, acc_code, narrow)
+                                                                  desc, tv, table, formats, loops, acc_code, narrow)
                         # Only BLAS' product needs masked keys' V finite (``_accumulate``).
                         skip_masked = use_blas and edge and not _all_finite(_view(vr, y), vo, vld, n, d_v)
                         _accumulate(s, vr, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                    ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place, vcode)
+                                    ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place, loops[vcode, VALUES])
 
             if split:
                 for r in range(rows):
@@ -245,48 +245,17 @@ def _row_bounds(i, off, valid, causal, left, right):
 
 
 @jit()
-def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, code):
+def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, loop):
     """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
-    of the raw bytes ``kb``, of dtype ``code``: BLAS
-    for many rows, else a loop over four keys at a time that scores them
-    against four query rows (then two, then one) per pass (``_dots``);
-    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
-    past the last key repeats it (and stores only the tile's scores): every
-    score comes from the same sum, so its bits depend neither on the number
-    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
-    masked key at its end changes nothing).  BLAS takes rows of ``qt``'s dtype only; the loops take a
-    narrow one too (``decode_loops._per_format``; float32 ``qt``)."""
+    of the raw bytes ``kb``: BLAS for many rows (``qt``'s dtype only), else
+    the loops of the keys' format (``loops``: its row of
+    ``format_loops.TABLE``; four keys a pass, ``_score_keys``), which take a
+    narrow one too; ``prefetch``: the keys ahead, where ``kb`` is the cache
+    itself."""
     if use_blas:
         _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
         return
-    d_k = qt.shape[1]
-    qf, sf = qt.reshape(rows * d_k), s.reshape(rows * n)
-    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    size = _itemsize(code)
-    last_key = n - 1
-    for j in range(0, n, 4):
-        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
-        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
-                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
-        if prefetch:
-            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
-        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
-        r = 0
-        while r + 4 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
-                    np.uint64(r + 3) * width)
-            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
-                    s0 + np.uint64(r + 3) * stride)
-            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
-            r += 4
-        if r + 2 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
-                  d_k, code)
-            r += 2
-        if r < rows:
-            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
+    _call(loop, (qt, s, kb, ko, kld, rows, n, qt.shape[1], prefetch))
 
 
 # -- the softmax of one tile -------------------------------------------------------------
@@ -402,38 +371,16 @@ def _exp_impl(x):
 # -- the value update: acc = alpha acc + P V ---------------------------------------------
 
 
-# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
-# the longer the run, the longer the accumulators stay in registers.  Runs
-# of 16 against a load and a store of every accumulator each four keys (4
-# rows, one thread, value update alone, medians of interleaved calls): D =
-# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
-# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
-# longer than a run of four vectors (D = 128), streamed from memory, took
-# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
-# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
-# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
-# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
-AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
-
-
 @jit()
-def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, code):
+def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, loop):
     """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
-    + j * vld`` of the raw bytes ``vb``, of dtype ``code`` (BLAS: ``acc``'s
-    dtype only; the loops: a narrow one too, ``decode_loops._per_format``).
-    The loop kernel leaves masked keys out (weight ``-0.0``, see ``_exp``: a
-    masked key's V may hold inf or NaN, and 0 * inf is NaN); BLAS' product
-    cannot, so ``skip_masked`` sends a tile to the loop.  An attended key
-    whose weight underflowed to ``+0.0`` counts in both, as in the reference.
-
-    The loop adds one key after another to each element (an FMA chain, no
-    reassociation, ``_axpy``), whichever keys and rows it groups per pass: a
-    row's bits do not depend on its neighbours, nor on which pass took it.
-    Where no weight of the tile is zero, rows go four at a time (each
-    loaded V vector feeds four rows); the others one at a time, in runs of
-    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys
-    (``AXPY_KEYS_LONG_FLOAT32`` for float32 rows longer than a run of
-    ``AXPY_RUN_VECTORS`` vectors)."""
+    + j * vld`` of the raw bytes ``vb``: BLAS (``acc``'s dtype only), or the
+    loops of the values' format (``loops``, as ``_scores``': an FMA chain a
+    key after another, ``_add_values``), which leave masked keys out
+    (weight ``-0.0``, see ``_exp``: a masked key's V may hold inf or NaN, and
+    0 * inf is NaN).  BLAS' product cannot, so ``skip_masked`` sends a tile
+    to the loops.  An attended key whose weight underflowed to ``+0.0``
+    counts in both, as in the reference."""
     d_v = acc.shape[1]
     for r in range(rows):
         a = alpha[r]
@@ -443,49 +390,7 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
     if use_blas and not skip_masked:
         _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
         return
-    accf, pf = acc.reshape(rows * d_v), p.reshape(rows * n)
-    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    rows4 = rows - rows % 4 if _all_weighted(p, rows, n) else 0
-    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
-    # Blocks of four rows outer, keys inner: the first block reads V from
-    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
-    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
-    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
-    # 7.0-7.1).
-    for r in range(0, rows4, 4):
-        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
-        for j in range(0, n, run):
-            w = np.uint64(r * n + j)
-            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
-                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
-                  d_v, code)
-    for r in range(rows4, rows):
-        j = 0
-        while j < n:
-            stop = j + 1
-            if not _masked(p[r, j]):
-                while stop < min(j + run, n) and not _masked(p[r, stop]):
-                    stop += 1
-                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
-                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
-            j = stop
-
-
-@jit()
-def _all_weighted(p, rows, n):
-    """Whether every weight of ``p[:rows, :n]`` is nonzero (no masked key)."""
-    zeros = 0
-    for r in range(rows):
-        for j in range(n):
-            zeros += p[r, j] == 0
-    return zeros == 0
-
-
-@jit(inline=True)
-def _masked(weight):
-    """Whether a weight is a masked key's ``-0.0`` (see ``_exp``)."""
-    return weight == 0 and math.copysign(1.0, weight) < 0
+    _call(loop, (p, acc, vb, vo, vld, rows, n, d_v, prefetch))
 
 
 @jit()
@@ -545,7 +450,12 @@ def _merge_item(item, y, ints, desc, part_m, part_l, part_acc):
     nq = min(ints[BLOCK_Q], ints[Q_LEN] - qt_index * ints[BLOCK_Q])
     rows, d_v = group * nq, ints[V_HEAD_SIZE]
     dt = y.dtype
-    acc, l, bad = np.zeros((rows, d_v), dt), np.zeros(rows, dt), np.zeros(rows, np.bool_)
+    # (np.empty, as attention_items' scratch: np.zeros compiled ~0.6 s more of a cold call)
+    acc, l, bad = np.empty((rows, d_v), dt), np.empty(rows, dt), np.empty(rows, np.bool_)
+    for r in range(rows):
+        l[r], bad[r] = 0.0, False
+        for d in range(d_v):
+            acc[r, d] = 0.0
     first = item * n_ch
     for r in range(rows):
         m_all = -np.inf

@@ -3,11 +3,10 @@ scored against four keys a pass (``_dots``), and a run of keys' values
 added to one or four rows' accumulators held in registers (``_axpy``).
 
 Both read K/V rows as they lie in the cache -- float32, or a narrow format of
-``widen.FORMATS`` widened vector by vector as it is loaded -- with the loop
-for each format chosen at run time (``_per_format``): one compiled kernel
-serves every format, and a narrow cache costs no compilation of its own.
-A new format read in place is its ``widen.FORMATS`` entry; the loops here
-take it from there.
+``widen.FORMATS`` widened vector by vector as it is loaded -- for one format,
+a constant of the caller (``_per_format``; ``format_loops`` compiles them a
+format at a time, on demand).  A new format read in place is its
+``widen.FORMATS`` entry; the loops here take it from there.
 
 Bits: a dot product's sum runs in vector lanes over ``D``'s whole vectors,
 the lanes reduced by one fixed tree, then element by element over the rest;
@@ -32,15 +31,15 @@ from .widen import FORMATS, IN_PLACE, _load_widened
 AXPY_RUN_VECTORS = 4
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
     """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
     ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
     ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
     (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
     last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
-    raw bytes holding elements of dtype ``code`` (``_per_format``), and
-    ``k_at`` counts those elements.
+    raw bytes holding elements of dtype ``code`` (a constant:
+    ``_per_format``), and ``k_at`` counts those elements.
 
     Written as LLVM IR so that the eight sums of a vector loop are reduced
     together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
@@ -55,7 +54,8 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
     not)."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
             and isinstance(out_at, types.UniTuple) and k_at.count == 4 and q_at.count in (1, 2, 4)
-            and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype):
+            and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype
+            and isinstance(code, types.IntegerLiteral)):
         return None
     return types.void(out, out_at, count, q, q_at, k, k_at, length, code), _emit_dots
 
@@ -79,7 +79,7 @@ def _emit_dots(context, builder, sig, args):
     count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
     mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]), _broadcast(builder, count, 4))
     store = _masked_memory(builder, "store", row_ty)
-    for r, row in enumerate(_per_format(builder, args[8], real, rows)):
+    for r, row in enumerate(_per_format(sig.args[8], real, rows)):
         at = builder.gep(out_arr.data, [builder.extract_value(args[1], r)])
         builder.call(store, [row, builder.bitcast(at, row_ty.as_pointer()), ir.Constant(i32, _BYTES[str(real)]), mask])
     return context.get_dummy_value()
@@ -153,13 +153,13 @@ def _as_rows(builder, sums):
     return rows
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code):
     """``acc[acc_at[r] + d] += p[p_at[r] + j] * v_j[d]`` for keys ``j <
     keys`` and ``d < length``, the keys added one after another to each
     element (a chain of FMAs, in key order); ``v_j`` is the row at element
-    ``v_at + j * ld`` of the raw bytes ``v``, of dtype ``code``
-    (``_per_format``).  ``R`` rows (1 or 4, ``acc_at`` and ``p_at``): each
+    ``v_at + j * ld`` of the raw bytes ``v``, of dtype ``code`` (a
+    constant: ``_per_format``).  ``R`` rows (1 or 4, ``acc_at`` and ``p_at``): each
     loaded V vector feeds them all.  ``ahead`` (elements): each vector
     loaded asks for the one that far on (``_prefetch``; 0: itself, at hand
     already -- a branch around the request made LLVM compile every loop
@@ -168,12 +168,10 @@ def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, cod
     LLVM IR.  ``D`` is taken in runs of ``AXPY_RUN_VECTORS`` vectors, then
     of one, then of one element; in each run the rows' accumulators are loaded once, take
     every key's FMAs in registers, and are stored once (``AXPY_KEYS``).
-    Each element takes the same chain whichever run holds it.  One compiled
-    loop per format, chosen at run time, in every kernel: a narrow cache
-    costs no compilation of its own."""
+    Each element takes the same chain whichever run holds it."""
     if not (isinstance(acc_at, types.UniTuple) and isinstance(p_at, types.UniTuple)
             and acc_at.count in (1, 4) and p_at.count == acc_at.count and v.dtype == types.uint8
-            and p.dtype == acc.dtype):
+            and p.dtype == acc.dtype and isinstance(code, types.IntegerLiteral)):
         return None
     return types.void(acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, code), _emit_axpy
 
@@ -241,32 +239,23 @@ def _emit_axpy(context, builder, sig, args):
         _emit_loop(builder, whole, length, 1, [], run(1, 1, False))
         return []
 
-    _per_format(builder, args[10], real, loops)
+    _per_format(sig.args[10], real, loops)
     return context.get_dummy_value()
 
 
-def _per_format(builder, code, real, emit):
+def _per_format(code, real, emit):
     """IR: ``emit(element type, narrow format)`` for the K/V dtype ``code``
-    (a run-time value), the results of each merged.  ``real`` float: float32
-    rows, or ``IN_PLACE`` ones (read as they are: ``_widen_ir``); double:
-    float64 rows only (the kernel hands narrow rows to float64 loops
-    widened, in tiles)."""
-    formats = [(F32, ir.FloatType(), None)]
-    formats += [(code, ir.IntType(bits), narrow) for code, (narrow, bits) in IN_PLACE.items()]
-    if real == ir.DoubleType():
-        formats = [(F64, real, None)]
-    after = builder.append_basic_block("format.after")
-    blocks = [builder.append_basic_block(f"format.{narrow or real}") for _, _, narrow in formats]
-    switch = builder.switch(code, blocks[0])  # any other code: the first
-    for (value, _, _), block in zip(formats[1:], blocks[1:]):
-        switch.add_case(ir.Constant(code.type, value), block)
-    results = []
-    for (_, elem, narrow), block in zip(formats, blocks):
-        builder.position_at_end(block)
-        results.append((emit(elem, narrow), builder.block))
-        builder.branch(after)
-    builder.position_at_end(after)
-    return _phis(builder, results)
+    (an ``IntegerLiteral`` type: the caller's constant): float32 (``real``
+    float) or float64 (``real`` double) rows, or the ``IN_PLACE`` ones of a
+    narrow format (float32 ``real`` only: read as they are,
+    ``_widen_ir``)."""
+    value = code.literal_value
+    if value in IN_PLACE and real == ir.FloatType():
+        narrow, bits = IN_PLACE[value]
+        return emit(ir.IntType(bits), narrow)
+    if (value, real) not in ((F32, ir.FloatType()), (F64, ir.DoubleType())):
+        raise TypeError(f"no loop reads dtype code {value} into {real} rows")
+    return emit(real, None)
 
 
 def _whole_vectors(builder, length, lanes, narrow):

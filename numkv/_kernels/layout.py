@@ -65,3 +65,12 @@ FORMAT_TABLE = np.zeros((len(DTYPE_CODES), len(FORMAT_FIELDS)), np.int64)
 for _code, _row in FORMAT_ROWS.items():
     FORMAT_TABLE[_code] = _row
 del _code, _row
+
+# -- LOOP_FIELDS: the loops of each format, compiled on demand (``format_loops``) --
+# ``loops[code, field]``, the kernel's ``loops`` argument (one table per
+# accumulation dtype): the address of the C function that scores keys of
+# dtype ``code`` (``scores``), adds their values (``values``), or widens
+# rows of it into a tile (``widen``); 0 where not compiled (never called).
+LOOP_FIELDS = ("scores", "values", "widen")
+SCORES, VALUES, WIDEN = range(len(LOOP_FIELDS))
+N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)

@@ -11,7 +11,7 @@ Two kinds of names:
 
 * intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``,
   ``_maximum``, ``_prefetch``, ``_view``, ``_claim``, ``_row_sum``,
-  ``_half_bits``, ``_load_acquire``, ``_pause``;
+  ``_half_bits``, ``_load_acquire``, ``_pause``, ``_call``;
 * IR builders, called by other generators with an ``llvmlite`` ``builder``:
   ``_broadcast``, ``_splat``, ``_as_i32``, ``_emit_loop``, ``_phis``,
   ``_reduce_lanes``, ``_load``, ``_fmuladd``, ``_emit_prefetch``,
@@ -205,6 +205,38 @@ def _pause(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+# -- calls by address ---------------------------------------------------------------
+
+
+@intrinsic
+def _call(typingctx, address, args):
+    """Call the C function at ``address`` (an integer: a ``numba.cfunc``'s
+    ``.address``) with ``args``, a tuple of arrays and integers: an array
+    passes as two arguments, its data pointer and its element count, an
+    integer as an int64.  It returns nothing.  The function is compiled on
+    its own and linked at run time, so the caller's compilation neither
+    includes nor re-optimises it (``format_loops``)."""
+    if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
+            and all(isinstance(t, (types.Array, types.Integer, types.Boolean)) for t in args)):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        values = []
+        for i, ty in enumerate(args):
+            value = builder.extract_value(llargs[1], i)
+            if isinstance(ty, types.Array):
+                arr = context.make_array(ty)(context, builder, value)
+                values += [arr.data, arr.nitems]
+            else:
+                values.append(context.cast(builder, value, ty, types.int64))
+        fn_type = ir.FunctionType(ir.VoidType(), [v.type for v in values])
+        address_64 = context.cast(builder, llargs[0], address, types.int64)
+        builder.call(builder.inttoptr(address_64, fn_type.as_pointer()), values)
+        return context.get_dummy_value()
+
+    return types.void(address, args), codegen
 
 
 # -- vectors ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 
 Two ways in:
 
-* tiles (``_widen_rows``, ``_kv_tile``): rows of any dtype code, any element
+* tiles (the ``_rows_*`` loops, ``_kv_tile``): rows of any dtype code, any element
   stride, widened into a float32 / float64 tile the matrix products read
   (prefill, strided caches, float64);
 * in place (``FORMATS``, ``_load_widened``): decode's loops
@@ -14,9 +14,9 @@ Two ways in:
 
 A new format read in place is one ``FORMATS`` entry (its IR widening, its
 bits an element, what it needs of the CPU), its dtype code in ``layout``,
-and its branch of ``_widen_rows`` for the tile path.  The quantised formats
+and its ``_rows_*`` loop for the tile path (``format_loops`` picks it).  The quantised formats
 (``layout.QUANT_FORMATS``: codes with scales) widen a block of 32 at a time
-(``_widen_quantized``).
+(``_rows_quantized``).
 
 Widening is written as LLVM IR in 16- and 32-bit lanes with selects: numba's
 own integer arithmetic widens to 64 bits (``uint32 - uint32`` is ``int64``),
@@ -37,17 +37,11 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_f16c, has_vbmi
-from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, E8M0, F16, F32, F64, INFNAN_EM, INT4, INT8, NAN_BITS,
-                     NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B,
-                     STRIDE_D, STRIDE_H, STRIDE_S)
-from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _float32_from_bits, _prefetch, _splat, _view
+from .layout import (BASE, BF16, DTYPE, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, INFNAN_EM, INT4,
+                     INT8, NAN_BITS, NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT,
+                     STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, WIDEN)
+from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _call, _float32_from_bits, _prefetch, _splat, _view
 
-# sha256 of the sources of the modules this one compiles into its kernels
-# (every ``numkv`` module it imports, and theirs): numba's disk cache
-# notices edits to a kernel's own file only, and
-# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
-# is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "b9a081ce179208e2985fd53ccc0351df0fda56b1791c697bbc064d5132631020"
 
 # -- bits -> float32, in IR --------------------------------------------------------------
 
@@ -371,60 +365,98 @@ def _copy_rows(dst, r0, n, width, src, base, seq_stride, step):
             dst[r0 + t, c] = src[at + np.uint64(c) * step]
 
 
-@jit()
-def _widen_rows(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+@jit(inline=True)
+def _widen_rows_of(loops, dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
     """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
     ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
-    dtype.  One loop per dtype, each simple enough for LLVM to vectorise;
-    unsigned element indices spare numba's negative-index wraparound (which
-    kept these loops scalar: 1.1-2 ns an element, against ~0.1 vectorised)."""
-    step = np.uint64(stride)
-    if stride == 1:  # the rows PREFETCH_KEYS on, a cache line at a time
+    dtype, by that format's C function (``format_loops``: ``_prefetch_rows``,
+    then its ``_rows_*`` loop), at ``loops[code, WIDEN]``."""
+    _call(loops[code, WIDEN], (dst, buf, table, formats, r0, n, width, base, seq_stride, stride))
+
+
+@jit(inline=True)
+def _prefetch_rows(buf, code, n, width, base, seq_stride, stride):
+    """Ask for the unit-stride rows ``PREFETCH_KEYS`` on, a cache line at a time."""
+    if stride == 1:
         row_bytes, unit = _row_bytes(code, width), _itemsize(code)
         for t in range(n):
             ahead = (base + (t + PREFETCH_KEYS) * seq_stride) * unit
             for line in range(0, row_bytes, 64):
                 _prefetch(buf, np.uint64(ahead + line))
-    if code >= Q8_0:
-        _widen_quantized(dst, r0, n, width, buf, code, base, seq_stride)
-    elif code == F32:
-        _copy_rows(dst, r0, n, width, _view(buf, np.float32), base, seq_stride, step)
-    elif code == F64:
-        _copy_rows(dst, r0, n, width, _view(buf, np.float64), base, seq_stride, step)
-    elif code == BF16:  # bfloat16 is float32's upper half
-        src16 = _view(buf, np.uint16)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _float32_from_bits(np.uint32(src16[at + np.uint64(c) * step]) << 16)
-    elif code == F16:
-        src16 = _view(buf, np.uint16)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _half_to_float32(src16[at + np.uint64(c) * step])
-    elif code == E5M2:
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _e5m2_to_float32(buf[at + np.uint64(c) * step])
-    elif code == E4M3FN:
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _e4m3fn_to_float32(buf[at + np.uint64(c) * step])
-    elif code == E8M0:  # a power of two per byte, no sign: a 256-entry table (in L1)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = table[buf[at + np.uint64(c) * step]]
-    else:  # the fnuz float8s: one parametrised loop
-        shift, scale, infnan, nan_em, nan_x = _format(formats, code)
-        for t in range(n):
-            at = np.uint64(base + t * seq_stride)
-            for c in range(width):
-                dst[r0 + t, c] = _decode_bits(buf[at + np.uint64(c) * step], np.uint32(0x80), shift, scale,
-                                              infnan, nan_em, nan_x)
+
+
+# The tile loops, one per dtype and each simple enough for LLVM to
+# vectorise, with one signature: ``dst[r0 + t, c] = value(buf, base + t *
+# seq_stride + c * stride)`` for ``t < n``, ``c < width``.  Unsigned element
+# indices spare numba's negative-index wraparound (which kept these loops
+# scalar: 1.1-2 ns an element, against ~0.1 vectorised).
+
+
+@jit(inline=True)
+def _rows_float32(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    _copy_rows(dst, r0, n, width, _view(buf, np.float32), base, seq_stride, np.uint64(stride))
+
+
+@jit(inline=True)
+def _rows_float64(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    _copy_rows(dst, r0, n, width, _view(buf, np.float64), base, seq_stride, np.uint64(stride))
+
+
+@jit(inline=True)
+def _rows_bfloat16(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    src16, step = _view(buf, np.uint16), np.uint64(stride)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):  # bfloat16 is float32's upper half
+            dst[r0 + t, c] = _float32_from_bits(np.uint32(src16[at + np.uint64(c) * step]) << 16)
+
+
+@jit(inline=True)
+def _rows_float16(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    src16, step = _view(buf, np.uint16), np.uint64(stride)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):
+            dst[r0 + t, c] = _half_to_float32(src16[at + np.uint64(c) * step])
+
+
+@jit(inline=True)
+def _rows_e5m2(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    step = np.uint64(stride)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):
+            dst[r0 + t, c] = _e5m2_to_float32(buf[at + np.uint64(c) * step])
+
+
+@jit(inline=True)
+def _rows_e4m3fn(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    step = np.uint64(stride)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):
+            dst[r0 + t, c] = _e4m3fn_to_float32(buf[at + np.uint64(c) * step])
+
+
+@jit(inline=True)
+def _rows_e8m0(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    step = np.uint64(stride)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):  # a power of two per byte, no sign: a 256-entry table (in L1)
+            dst[r0 + t, c] = table[buf[at + np.uint64(c) * step]]
+
+
+@jit(inline=True)
+def _rows_fnuz(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    """The fnuz float8s: one loop, parametrised by ``FORMAT_TABLE``'s row."""
+    shift, scale, infnan, nan_em, nan_x = _format(formats, code)
+    step = np.uint64(stride)
+    for t in range(n):
+        at = np.uint64(base + t * seq_stride)
+        for c in range(width):
+            dst[r0 + t, c] = _decode_bits(buf[at + np.uint64(c) * step], np.uint32(0x80), shift, scale,
+                                          infnan, nan_em, nan_x)
 
 
 def _emit_quant_block(builder, src, fmt):
@@ -482,10 +514,11 @@ _widen_q8_0_block, _widen_q4_0_block, _widen_int8_block, _widen_int4_block = map
     _quant_block_intrinsic, QUANT_FORMATS)
 
 
-@jit(inline=True)  # (inlined: its IR is made when _widen_rows compiles, for the CPU then in force)
-def _widen_quantized(dst, r0, n, width, buf, code, base, seq_stride):
-    """``_widen_rows`` for the quantised formats (``QUANT_FORMATS``): row ``t``
-    starts at byte ``base + t * seq_stride``.  q8_0 / q4_0 blocks widen to
+@jit(inline=True)  # (inlined: its IR is made when its caller compiles, for the CPU then in force)
+def _rows_quantized(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
+    """The tile loop of the quantised formats (``QUANT_FORMATS``; unit
+    stride, ``stride`` unused): row ``t`` starts at byte ``base + t *
+    seq_stride``.  q8_0 / q4_0 blocks widen to
     ``d * code`` (exact in float32: 8 bits times float16's 11); int8 / int4
     to the code itself, 32 at a time by the block intrinsics, the rest of a
     row one by one.  (A numba loop over a block with unsigned indices: 13
@@ -530,7 +563,7 @@ def _tile_origin(j0, b, hk, desc, t):
 
 
 @jit(inline=True)
-def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, acc_code, narrow):
+def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, loops, acc_code, narrow):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(bytes,
     at, ld, code, in_place)``: key ``j``'s row is the ``width`` elements of
     dtype ``code`` from element ``at + j * ld`` of ``bytes``.  The buffer
@@ -545,7 +578,7 @@ def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, a
             return buf, base, max(seq_stride, width), code, True
         if narrow and code in IN_PLACE_CODES:
             return buf, base, seq_stride, code, True
-    first_row = j0 - j0  # an int64, not the literal 0: one compiled _widen_rows
-    _widen_rows(tile[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
-                seq_stride, desc[t, STRIDE_D], table, formats)
+    first_row = j0 - j0  # an int64, not the literal 0
+    _widen_rows_of(loops, tile[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
+                   seq_stride, desc[t, STRIDE_D], table, formats)
     return scratch, first_row, width, acc_code, False

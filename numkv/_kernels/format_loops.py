@@ -1,0 +1,234 @@
+"""The loops of one K/V format at a time, compiled when a call first reads
+that format and called by address (``simd._call``): decode's scoring of
+query rows against keys (``_score_keys``, four keys a pass,
+``decode_loops._dots``) and adding of keys' values to the rows'
+accumulators (``_add_values``, ``decode_loops._axpy``), and the widening of
+rows into tiles (``widen``'s ``_rows_*`` loops).
+
+Why apart from the kernel: compiled into it, every format's loops were
+compiled on every first call -- float32's with those of the eight narrow,
+float8 and quantised formats, and re-optimised with the kernel: a cold
+float32 decode call took 10.1 CPU s, 7.2 with the decode loops alone moved
+here (``tools/compile_profile.py``, 2-core EPYC).  Here a call compiles the
+loops of the formats it reads, each once, in a module of its own: a C
+function (``numba.cfunc``) per accumulation dtype, format and loop, whose
+address the wrapper writes into ``TABLES`` (``addresses``) before the kernel
+runs.  The kernel makes one call per tile of keys, so the call costs
+nothing measurable; the loops' machine code is what it was inside the
+kernel.
+"""
+
+import math
+import threading
+
+import numpy as np
+from numba import carray, types
+
+from .._config import c_function, jit
+from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
+from .layout import (BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FORMAT_FIELDS, LOOP_FIELDS, N_CODES,
+                     SCORES, VALUES, WIDEN)
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _prefetch_ahead
+from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
+                    _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
+
+# sha256 of the sources of the modules this one compiles into its loops
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "1544b2cd90e8793516ccb406c183f63df67c3acaf8e3604648db7f191c253bac"
+
+# ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
+# ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
+TABLES = np.zeros((2, N_CODES, len(LOOP_FIELDS)), np.int64)
+ACC_DTYPES = (np.float32, np.float64)
+
+_compiled = {}  # (acc, code, field) -> its C function (kept alive: TABLES holds its address)
+_lock = threading.Lock()
+
+
+def addresses(acc, codes):
+    """``TABLES[acc]``, with every loop a call of accumulation dtype ``acc``
+    (0: float32, 1: float64) whose Q, K and V have dtype ``codes`` may
+    take compiled: from numba's disk cache, else now (~0.1-0.5 s each, CPU).
+    Widening for every code; decode's loops for float32 rows and the codes
+    read in place (``IN_PLACE``), or for float64 rows."""
+    wanted = [(code, WIDEN) for code in codes]
+    wanted += [(code, field) for code in ((F32, *(c for c in codes if c in IN_PLACE)) if acc == 0 else (F64,))
+               for field in (SCORES, VALUES)]
+    table = TABLES[acc]
+    for code, field in wanted:
+        if not table[code, field]:
+            with _lock:
+                if not table[code, field]:
+                    function = _compile(acc, code, field)
+                    _compiled[acc, code, field] = function
+                    table[code, field] = function.address
+    return table
+
+
+def _compile(acc, code, field):
+    """The C function of loop ``field`` for format ``code`` into ``acc``
+    rows.  ``code`` is a constant of it (numba keys its disk cache on it):
+    the loops emit that format's code only."""
+    real = types.float64 if acc else types.float32
+    rows_ptr, bytes_ptr, i64 = types.CPointer(real), types.CPointer(types.uint8), types.int64
+    if field == SCORES:
+        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
+        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch):
+            _score_keys(carray(q, q_size), carray(s, s_size), carray(k, k_size), ko, kld, rows, n, d_k,
+                        prefetch != 0, code)
+        return scores
+    if field == VALUES:
+        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
+        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch):
+            _add_values(carray(p, p_size), carray(acc, acc_size), carray(v, v_size), vo, vld, rows, n, d_v,
+                        prefetch != 0, code)
+        return values
+    fields = len(FORMAT_FIELDS)
+
+    @c_function(types.void(rows_ptr, i64, bytes_ptr, i64, types.CPointer(types.float32), i64,
+                           types.CPointer(types.int64), i64, i64, i64, i64, i64, i64, i64))
+    def widen(dst, dst_size, buf, buf_size, table, table_size, formats, formats_size, r0, n, width, base,
+              seq_stride, stride):
+        raw = carray(buf, buf_size)
+        _prefetch_rows(raw, code, n, width, base, seq_stride, stride)
+        out, lut = carray(dst, (dst_size // width, width)), carray(table, table_size)
+        fmt = carray(formats, (formats_size // fields, fields))
+        # The tile loop of the format: numba prunes the other branches (``code``
+        # is a constant here) before it inlines their loops, so one is compiled
+        # (one branch chosen inside an inlined function compiled all nine:
+        # ~1.2 s against ~0.3).
+        if code == F32:
+            _rows_float32(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == F64:
+            _rows_float64(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == BF16:
+            _rows_bfloat16(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == F16:
+            _rows_float16(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == E5M2:
+            _rows_e5m2(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == E4M3FN:
+            _rows_e4m3fn(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == E8M0:
+            _rows_e8m0(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        elif code == E4M3FNUZ or code == E5M2FNUZ:
+            _rows_fnuz(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        else:
+            _rows_quantized(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+    return widen
+
+
+# -- scores: s = Q K^T -------------------------------------------------------------------
+
+
+@jit(inline=True)
+def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
+    """``s[r * n + j] = q_r . k_j`` for the ``rows`` query rows of ``qf``
+    (``d_k`` apart) and the ``n`` key rows at elements ``ko + j * kld`` of
+    the raw bytes ``kb``, of format ``code``: four keys a pass, scored
+    against four query rows (then two, then one; ``_dots``); ``prefetch``:
+    the keys ahead, where ``kb`` is the cache itself.  A pass past the last
+    key repeats it (and stores only the tile's scores): every score comes
+    from the same sum, so its bits depend neither on the number of rows
+    (GQA equals MHA with K/V repeated) nor on the tile's length (a masked
+    key at its end changes nothing)."""
+    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    size = _itemsize(code)
+    last_key = n - 1
+    for j in range(0, n, 4):
+        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
+        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
+                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
+        if prefetch:
+            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
+        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
+        r = 0
+        while r + 4 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                    np.uint64(r + 3) * width)
+            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                    s0 + np.uint64(r + 3) * stride)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
+            r += 4
+        if r + 2 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+                  d_k, code)
+            r += 2
+        if r < rows:
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
+
+
+# -- values: acc += p V --------------------------------------------------------------------
+
+
+# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
+# the longer the run, the longer the accumulators stay in registers.  Runs
+# of 16 against a load and a store of every accumulator each four keys (4
+# rows, one thread, value update alone, medians of interleaved calls): D =
+# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
+# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
+# longer than a run of four vectors (D = 128), streamed from memory, took
+# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
+# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
+# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
+# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
+AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
+
+
+@jit(inline=True)
+def _add_values(pf, accf, vb, vo, vld, rows, n, d_v, prefetch, code):
+    """``acc_r += sum_j p[r * n + j] v_j`` for the ``rows`` accumulators of
+    ``accf`` (``d_v`` apart) and the ``n`` value rows at elements ``vo + j *
+    vld`` of the raw bytes ``vb``, of format ``code``, leaving masked keys
+    out (weight ``-0.0``: a masked key's V may hold inf or NaN, and 0 * inf
+    is NaN).  An attended key whose weight underflowed to ``+0.0`` counts,
+    as in the reference.
+
+    One key after another is added to each element (an FMA chain, no
+    reassociation, ``_axpy``), whichever keys and rows a pass groups: a
+    row's bits do not depend on its neighbours, nor on which pass took it.
+    Where no weight of the tile is zero, rows go four at a time (each
+    loaded V vector feeds four rows); the others one at a time, in runs of
+    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys
+    (``AXPY_KEYS_LONG_FLOAT32`` for float32 rows longer than a run of
+    ``AXPY_RUN_VECTORS`` vectors)."""
+    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    zeros = 0
+    for t in range(rows * n):
+        zeros += pf[t] == 0
+    rows4 = rows - rows % 4 if zeros == 0 else 0
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
+    # Blocks of four rows outer, keys inner: the first block reads V from
+    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
+    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
+    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
+    # 7.0-7.1).
+    for r in range(0, rows4, 4):
+        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
+        for j in range(0, n, run):
+            w = np.uint64(r * n + j)
+            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
+                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
+                  d_v, code)
+    for r in range(rows4, rows):
+        j = 0
+        while j < n:
+            stop = j + 1
+            if not _masked(pf[r * n + j]):
+                while stop < min(j + run, n) and not _masked(pf[r * n + stop]):
+                    stop += 1
+                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
+                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
+            j = stop
+
+
+@jit(inline=True)
+def _masked(weight):
+    """Whether a weight is a masked key's ``-0.0`` (``attention._exp``)."""
+    return weight == 0 and math.copysign(1.0, weight) < 0
