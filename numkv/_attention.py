@@ -383,7 +383,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     desc += (0, *[s // size for s in y4.strides], 0)  # Y: new and contiguous, y4 starts where y does
     n_items, rows = b * hkv * n_units, group * block_q
     # The loops of the formats it reads, compiled before the kernel runs.
-    loops = kernels.loop_addresses(size // 8, dtype_codes)
+    loops = kernels.loop_addresses(size // 8, dtype_codes, uses_blas)
     plan = _Plan(
         ints=ints,
         desc=np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS)),

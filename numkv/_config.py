@@ -48,19 +48,24 @@ def jit(reassociate=False, contract=False, inline=False):
     return decorate
 
 
-def c_function(signature):
+def c_function(signature, contract=False):
     """A ``numba.cfunc`` of ``signature`` (compiled now, kept in the disk
     cache as ``jit``'s kernels are): a function jitted code calls by its
-    address (``_kernels.simd._call``), compiled on its own."""
+    address (``_kernels.simd._call``), compiled on its own; ``contract`` as
+    ``jit``'s."""
     import numba
+
+    options = dict(error_model="numpy")
+    if contract:
+        options["fastmath"] = {"contract"}
 
     def decorate(func):
         if CACHE:
             try:
-                return numba.cfunc(signature, cache=True, error_model="numpy")(func)
+                return numba.cfunc(signature, cache=True, **options)(func)
             except RuntimeError:  # no writable cache locator (read-only install)
                 pass
-        return numba.cfunc(signature, error_model="numpy")(func)
+        return numba.cfunc(signature, **options)(func)
 
     return decorate
 

@@ -26,7 +26,7 @@ KERNELS = ROOT / "numkv" / "_kernels"
 KERNEL_LAYERS = [
     ["layout", "cpu", "compiler"],
     ["simd"],
-    ["gemm", "widen"],
+    ["gemm", "widen", "softmax"],
     ["decode_loops"],
     ["format_loops"],
     ["attention", "narrow", "spin_wait", "scatter", "read_bandwidth"],

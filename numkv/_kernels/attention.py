@@ -84,15 +84,12 @@ bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
 n_chunks`` entries when split.
 """
 
-import math
-
 import numpy as np
 from numba import types
 from numba.extending import overload
 
 from .._config import jit
 from .format_loops import addresses as loop_addresses  # noqa: F401 (the wrapper's)
-from .gemm import _gemm_accumulate, _gemm_scores
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
@@ -100,16 +97,18 @@ from .layout import (  # noqa: F401
     E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK,
     HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES, N_UNITS, NAN_BITS, NAN_EM, NONE,
     PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORE_SCALE, SCORES, SHIFT, SOFTCAP, STRIDE_B, STRIDE_D,
+    BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, SOFTMAX,
     STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
     V_HEAD_SIZE, VALUES,
 )
-from .simd import _call, _claim, _float32_from_bits, _maximum, _row_sum, _view
+from .simd import _call, _claim, _view
+from .softmax import _exp
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "4139d054792f463212a3998f024493deba59dde4626e47c06ba6f00b11ed80d4"
+HELPERS_SHA256 = "ee80af92b971f5b1d7a63478921f46929aa1e93289d3c63f7075dba21b79a84e"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -143,7 +142,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     ktile, vtile = _view(kbuf, y), _view(vbuf, y)
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
-    acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.bool_)
+    acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.uint8)  # bad: 1 where NaN
     claiming = counter.size > 0
     for index in range(first, stop):
         work = first + _claim(counter) if claiming else index
@@ -171,7 +170,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
             for r in range(rows):
                 m[r] = -np.inf
                 l[r] = 0.0
-                bad[r] = False
+                bad[r] = 0
                 for d in range(d_v):
                     acc[r, d] = 0.0
 
@@ -202,19 +201,22 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         kr, ko, kld, kcode, k_in_place = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
                                                                   desc, tk, table, formats, loops, acc_code, narrow)
                         _scores(qt, kr, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], ints[GEMM_FN], k_in_place,
-                                loops[kcode, SCORES])
+                                loops[acc_code, BLAS_SCORES] if use_blas else loops[kcode, SCORES])
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
-                        _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base,
-                                      desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D],
-                                      desc[T_MASK, STRIDE_H], softcap, score_scale, m, l, alpha, bad, use_blas)
+                        _call(loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],  # softmax._softmax_tile
+                              (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
+                               desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
+                               score_scale))
                         vr, vo, vld, vcode, v_in_place = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
                                                                   desc, tv, table, formats, loops, acc_code, narrow)
                         # Only BLAS' product needs masked keys' V finite (``_accumulate``).
                         skip_masked = use_blas and edge and not _all_finite(_view(vr, y), vo, vld, n, d_v)
                         _accumulate(s, vr, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                    ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place, loops[vcode, VALUES])
+                                    ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place,
+                                    loops[acc_code, BLAS_VALUES] if use_blas and not skip_masked
+                                    else loops[vcode, VALUES])
 
             if split:
                 for r in range(rows):
@@ -247,125 +249,15 @@ def _row_bounds(i, off, valid, causal, left, right):
 @jit()
 def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, loop):
     """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
-    of the raw bytes ``kb``: BLAS for many rows (``qt``'s dtype only), else
-    the loops of the keys' format (``loops``: its row of
-    ``format_loops.TABLE``; four keys a pass, ``_score_keys``), which take a
-    narrow one too; ``prefetch``: the keys ahead, where ``kb`` is the cache
-    itself."""
+    of the raw bytes ``kb``, by the C function at ``loop``
+    (``format_loops``): BLAS for many rows (``use_blas``: ``qt``'s dtype
+    only, split to stay within ``gemm_limit``), else the loops of the keys'
+    format (four keys a pass), which take a narrow one too; ``prefetch``:
+    the keys ahead, where ``kb`` is the cache itself."""
     if use_blas:
-        _gemm_scores(qt, _view(kb, qt), ko, kld, s, rows, n, gemm_limit, gemm_fn)
-        return
-    _call(loop, (qt, s, kb, ko, kld, rows, n, qt.shape[1], prefetch))
-
-
-# -- the softmax of one tile -------------------------------------------------------------
-
-
-@jit(contract=True)
-def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
-                  mask_stride_j, mask_stride_g, softcap, score_scale, m, l, alpha, bad, fast_sum):
-    """Turn scores ``s[:rows, :n]`` of keys ``j0 ..`` into weights ``p`` (in
-    place) and fold them into each row's running max ``m`` and sum ``l``;
-    ``alpha[r]`` is the factor the row's accumulator must be rescaled by.
-
-    ``edge``: some row's interval ends inside the tile, or a mask applies --
-    the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
-    """
-    inf = np.inf
-    flat = s.reshape(rows * n)
-    if score_scale != 1.0:  # a scale beyond the dtype's range: its other square-root factor
-        for t in range(rows * n):
-            flat[t] *= score_scale
-    if softcap > 0.0:  # ONNX: the softcap comes before the mask
-        for t in range(rows * n):
-            flat[t] = softcap * math.tanh(flat[t] / softcap)
-    for r in range(rows):
-        i = r % nq
-        if edge:
-            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
-            for j in range(n):
-                if j < first or j >= stop:
-                    s[r, j] = -inf
-            if mask_base >= 0:
-                at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
-                for j in range(first, stop):
-                    bias = mask[at + j * mask_stride_j]
-                    s[r, j] = -inf if bias == -inf else s[r, j] + bias
-        m_old = m[r]
-        m_new = m_old
-        for j in range(n):
-            m_new = _maximum(m_new, s[r, j])
-        # NaN or +inf among the attended scores (masked ones are -inf) makes
-        # the row NaN; nothing attended yet: no weights, nothing to rescale.
-        if not m_new < inf or m_new == -inf:
-            bad[r] |= m_new != -inf
-            for j in range(n):
-                s[r, j] = -0.0  # no weight, masked: see _exp
-            alpha[r] = 1.0
-            continue
-        if fast_sum:
-            total = _exp_row_sum(s, r, n, m_new)
-        else:
-            for j in range(n):
-                s[r, j] = _exp(s[r, j] - m_new)
-            total = _row_sum(flat, r * n, n)
-        a = _exp(m_old - m_new)  # 0 on the first keys (m_old = -inf)
-        alpha[r] = a
-        l[r] = l[r] * a + total
-        m[r] = m_new
-
-
-@jit(reassociate=True)
-def _exp_row_sum(s, r, n, m):
-    """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
-    whatever order LLVM picks (the BLAS path: its products do not keep bits
-    across tile lengths either).  A 128 x 64 tile: 11.9 us with a separate
-    ``_row_sum``, 7.9 with this."""
-    total = s.dtype.type(0.0)
-    for j in range(n):
-        p = _exp(s[r, j] - m)
-        s[r, j] = p
-        total += p
-    return total
-
-
-def _exp(x):
-    """``e**x`` for ``x <= 0``; NaN gives 0, and ``-inf`` gives ``-0.0``: the
-    weight of a masked key, which the loop kernel leaves out of ``P V`` (a
-    weight that underflowed is ``+0.0`` and counts, as in BLAS)."""
-
-
-@overload(_exp)
-def _exp_impl(x):
-    if x == types.float64:
-        def exp64(x):
-            if x >= -745.2:
-                return math.exp(x)
-            return -0.0 if x == -np.inf else 0.0  # NaN -> 0 as well
-        return exp64
-
-    def exp32(x):
-        # Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e**r by a degree-7
-        # polynomial, 2**n from its bits.  No libm call, so LLVM vectorises
-        # the loops around it (measured 0.67 vs 4.6 ns a score with math.exp);
-        # within ~1 ulp of e**x (0.99-1.02 at worst, 0.27 on average over 5.6
-        # million values in (-87, 0], with or without FMA contraction).
-        inside = x > np.float32(-87.0)  # below, e**x is under float32's normal range
-        xc = x if inside else np.float32(-87.0)
-        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = xc - n * np.float32(0.693359375)
-        r = r + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = p * r * r + r + np.float32(1.0)
-        pow2n = _float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
-        underflow = np.float32(-0.0) if x == -np.inf else np.float32(0.0)
-        return p * pow2n if inside else underflow
-    return exp32
+        _call(loop, (qt, kb, s, ko, kld, rows, n, qt.shape[1], gemm_limit, gemm_fn))
+    else:
+        _call(loop, (qt, s, kb, ko, kld, rows, n, qt.shape[1], prefetch))
 
 
 # -- the value update: acc = alpha acc + P V ---------------------------------------------
@@ -374,9 +266,9 @@ def _exp_impl(x):
 @jit()
 def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, loop):
     """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
-    + j * vld`` of the raw bytes ``vb``: BLAS (``acc``'s dtype only), or the
-    loops of the values' format (``loops``, as ``_scores``': an FMA chain a
-    key after another, ``_add_values``), which leave masked keys out
+    + j * vld`` of the raw bytes ``vb``, by the C function at ``loop``, as
+    ``_scores``: BLAS (``acc``'s dtype only), or the loops of the values'
+    format (an FMA chain a key after another), which leave masked keys out
     (weight ``-0.0``, see ``_exp``: a masked key's V may hold inf or NaN, and
     0 * inf is NaN).  BLAS' product cannot, so ``skip_masked`` sends a tile
     to the loops.  An attended key whose weight underflowed to ``+0.0``
@@ -388,9 +280,9 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
             for d in range(d_v):
                 acc[r, d] *= a
     if use_blas and not skip_masked:
-        _gemm_accumulate(p, _view(vb, acc), vo, vld, acc, rows, n, gemm_limit, gemm_fn)
-        return
-    _call(loop, (p, acc, vb, vo, vld, rows, n, d_v, prefetch))
+        _call(loop, (p, vb, acc, vo, vld, rows, n, d_v, gemm_limit, gemm_fn))
+    else:
+        _call(loop, (p, acc, vb, vo, vld, rows, n, d_v, prefetch))
 
 
 @jit()
@@ -434,48 +326,44 @@ def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
 @jit()
 def attention_merge(first, stop, y, ints, desc, part_m, part_l, part_acc):
     """Items ``first .. stop`` of a split call: combine each item's partial
-    softmaxes in chunk order."""
-    for item in range(first, stop):
-        _merge_item(item, y, ints, desc, part_m, part_l, part_acc)
-
-
-@jit(inline=True)
-def _merge_item(item, y, ints, desc, part_m, part_l, part_acc):
-    """``m = max m_c``, ``l = sum l_c e^(m_c - m)``, ``acc = sum acc_c
-    e^(m_c - m)``; a chunk that saw a NaN (``m_c`` NaN) makes the row NaN."""
+    softmaxes in chunk order -- ``m = max m_c``, ``l = sum l_c e^(m_c -
+    m)``, ``acc = sum acc_c e^(m_c - m)``; a chunk that saw a NaN (``m_c``
+    NaN) makes the row NaN.  (One function: an inlined helper for the item
+    cost 0.2 s of a cold call's compilation.)"""
     n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
-    b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
-    hk, qt_index = rest // n_units, rest % n_units
     group = ints[Q_HEADS] // ints[KV_HEADS]
-    nq = min(ints[BLOCK_Q], ints[Q_LEN] - qt_index * ints[BLOCK_Q])
-    rows, d_v = group * nq, ints[V_HEAD_SIZE]
-    dt = y.dtype
-    # (np.empty, as attention_items' scratch: np.zeros compiled ~0.6 s more of a cold call)
-    acc, l, bad = np.empty((rows, d_v), dt), np.empty(rows, dt), np.empty(rows, np.bool_)
-    for r in range(rows):
-        l[r], bad[r] = 0.0, False
-        for d in range(d_v):
-            acc[r, d] = 0.0
-    first = item * n_ch
-    for r in range(rows):
-        m_all = -np.inf
-        for c in range(n_ch):
-            mc = part_m[first + c, r]
-            if mc != mc:
-                bad[r] = True
-            elif mc > m_all:
-                m_all = mc
-        if bad[r] or m_all == -np.inf:
-            continue
-        for c in range(n_ch):
-            mc = part_m[first + c, r]
-            if mc == -np.inf:
-                continue
-            w = _exp(mc - m_all)
-            l[r] += part_l[first + c, r] * w
+    d_v, dt = ints[V_HEAD_SIZE], y.dtype
+    rows_max = group * ints[BLOCK_Q]
+    acc_all, l, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, dt), np.empty(rows_max, np.uint8)
+    for item in range(first, stop):
+        b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
+        hk, qt_index = rest // n_units, rest % n_units
+        nq = min(ints[BLOCK_Q], ints[Q_LEN] - qt_index * ints[BLOCK_Q])
+        rows = group * nq
+        acc = acc_all[:rows]
+        at = item * n_ch
+        for r in range(rows):
+            l[r], bad[r] = 0.0, 0
             for d in range(d_v):
-                acc[r, d] += part_acc[first + c, r, d] * w
-    _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
+                acc[r, d] = 0.0
+            m_all = -np.inf
+            for c in range(n_ch):
+                mc = part_m[at + c, r]
+                if mc != mc:
+                    bad[r] = 1
+                elif mc > m_all:
+                    m_all = mc
+            if bad[r] or m_all == -np.inf:
+                continue
+            for c in range(n_ch):
+                mc = part_m[at + c, r]
+                if mc == -np.inf:
+                    continue
+                w = _exp(mc - m_all)
+                l[r] += part_l[at + c, r] * w
+                for d in range(d_v):
+                    acc[r, d] += part_acc[at + c, r, d] * w
+        _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
 
 
 # -- compile-time facts ------------------------------------------------------------------

@@ -26,9 +26,11 @@ from numba import carray, types
 
 from .._config import c_function, jit
 from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
-from .layout import (BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FORMAT_FIELDS, LOOP_FIELDS, N_CODES,
-                     SCORES, VALUES, WIDEN)
+from .gemm import _gemm_accumulate, _gemm_scores
+from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32,
+                     F64, FORMAT_FIELDS, LOOP_FIELDS, N_CODES, SCORES, SOFTMAX, VALUES, WIDEN)
 from .simd import PREFETCH_KEYS, VECTOR_BYTES, _prefetch_ahead
+from .softmax import _softmax_tile
 from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
 
@@ -37,7 +39,7 @@ from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "1544b2cd90e8793516ccb406c183f63df67c3acaf8e3604648db7f191c253bac"
+HELPERS_SHA256 = "e9b02aefc2ed3bf28fa767efe47c9bb1604a86f06117356620e54bef13dc6f44"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -48,15 +50,20 @@ _compiled = {}  # (acc, code, field) -> its C function (kept alive: TABLES holds
 _lock = threading.Lock()
 
 
-def addresses(acc, codes):
+def addresses(acc, codes, blas):
     """``TABLES[acc]``, with every loop a call of accumulation dtype ``acc``
     (0: float32, 1: float64) whose Q, K and V have dtype ``codes`` may
-    take compiled: from numba's disk cache, else now (~0.1-0.5 s each, CPU).
+    take compiled: from numba's disk cache, else now (~0.2-0.8 s each, CPU).
     Widening for every code; decode's loops for float32 rows and the codes
-    read in place (``IN_PLACE``), or for float64 rows."""
+    read in place (``IN_PLACE``), or for float64 rows; BLAS' products
+    where ``blas`` (the call's tiles have enough query rows)."""
+    acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in codes]
     wanted += [(code, field) for code in ((F32, *(c for c in codes if c in IN_PLACE)) if acc == 0 else (F64,))
                for field in (SCORES, VALUES)]
+    wanted += [(acc_code, SOFTMAX)]
+    if blas:
+        wanted += [(acc_code, BLAS_SCORES), (acc_code, BLAS_VALUES), (acc_code, BLAS_SOFTMAX)]
     table = TABLES[acc]
     for code, field in wanted:
         if not table[code, field]:
@@ -74,6 +81,7 @@ def _compile(acc, code, field):
     the loops emit that format's code only."""
     real = types.float64 if acc else types.float32
     rows_ptr, bytes_ptr, i64 = types.CPointer(real), types.CPointer(types.uint8), types.int64
+    ITEM_BYTES = 8 if acc else 4  # noqa: N806 (a constant of the functions: K / V arrive as bytes)
     if field == SCORES:
         @c_function(types.void(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
         def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch):
@@ -86,6 +94,32 @@ def _compile(acc, code, field):
             _add_values(carray(p, p_size), carray(acc, acc_size), carray(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
         return values
+    if field == BLAS_SCORES:
+        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
+        def blas_scores(q, q_size, k, k_size, s, s_size, ko, kld, rows, n, d_k, gemm_limit, gemm_fn):
+            _gemm_scores(carray(q, (rows, d_k)), carray(k, k_size // ITEM_BYTES), ko, kld, carray(s, (rows, n)),
+                         rows, n, gemm_limit, gemm_fn)
+        return blas_scores
+    if field == BLAS_VALUES:
+        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
+        def blas_values(p, p_size, v, v_size, acc, acc_size, vo, vld, rows, n, d_v, gemm_limit, gemm_fn):
+            _gemm_accumulate(carray(p, (rows, n)), carray(v, v_size // ITEM_BYTES), vo, vld, carray(acc, (rows, d_v)),
+                             rows, n, gemm_limit, gemm_fn)
+        return blas_values
+    if field in (SOFTMAX, BLAS_SOFTMAX):
+        fast_sum, ints_ptr, flags_ptr, f64 = field == BLAS_SOFTMAX, types.CPointer(i64), types.CPointer(types.uint8), types.float64
+
+        @c_function(types.void(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64,
+                               rows_ptr, i64, flags_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f64, f64),
+                    contract=True)
+        def softmax(s, s_size, lo, lo_size, hi, hi_size, mask, mask_size, m, m_size, l, l_size, alpha, alpha_size,
+                    bad, bad_size, rows, n, nq, j0, edge, mask_base, stride_i, stride_j, stride_g, softcap,
+                    score_scale):
+            _softmax_tile(carray(s, (rows, n)), rows, n, nq, j0, carray(lo, lo_size), carray(hi, hi_size), edge != 0,
+                          carray(mask, mask_size), mask_base, stride_i, stride_j, stride_g, softcap, score_scale,
+                          carray(m, m_size), carray(l, l_size), carray(alpha, alpha_size), carray(bad, bad_size),
+                          fast_sum)
+        return softmax
     fields = len(FORMAT_FIELDS)
 
     @c_function(types.void(rows_ptr, i64, bytes_ptr, i64, types.CPointer(types.float32), i64,

@@ -70,7 +70,10 @@ del _code, _row
 # ``loops[code, field]``, the kernel's ``loops`` argument (one table per
 # accumulation dtype): the address of the C function that scores keys of
 # dtype ``code`` (``scores``), adds their values (``values``), or widens
-# rows of it into a tile (``widen``); 0 where not compiled (never called).
-LOOP_FIELDS = ("scores", "values", "widen")
-SCORES, VALUES, WIDEN = range(len(LOOP_FIELDS))
+# rows of it into a tile (``widen``); in the row of the accumulation dtype
+# itself, BLAS' products over tiles (``blas_scores``, ``blas_values``) and
+# the softmax of a tile of scores, for the loops and for BLAS (``softmax``,
+# ``blas_softmax``); 0 where not compiled (never called).
+LOOP_FIELDS = ("scores", "values", "widen", "blas_scores", "blas_values", "softmax", "blas_softmax")
+SCORES, VALUES, WIDEN, BLAS_SCORES, BLAS_VALUES, SOFTMAX, BLAS_SOFTMAX = range(len(LOOP_FIELDS))
 N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)

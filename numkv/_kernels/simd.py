@@ -213,13 +213,14 @@ def _pause(typingctx):
 @intrinsic
 def _call(typingctx, address, args):
     """Call the C function at ``address`` (an integer: a ``numba.cfunc``'s
-    ``.address``) with ``args``, a tuple of arrays and integers: an array
+    ``.address``) with ``args``, a tuple of arrays and numbers: an array
     passes as two arguments, its data pointer and its element count, an
-    integer as an int64.  It returns nothing.  The function is compiled on
+    integer (or a bool) as an int64, a float as a float64.  It returns
+    nothing.  The function is compiled on
     its own and linked at run time, so the caller's compilation neither
     includes nor re-optimises it (``format_loops``)."""
     if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
-            and all(isinstance(t, (types.Array, types.Integer, types.Boolean)) for t in args)):
+            and all(isinstance(t, (types.Array, types.Integer, types.Boolean, types.Float)) for t in args)):
         return None
 
     def codegen(context, builder, sig, llargs):
@@ -230,7 +231,8 @@ def _call(typingctx, address, args):
                 arr = context.make_array(ty)(context, builder, value)
                 values += [arr.data, arr.nitems]
             else:
-                values.append(context.cast(builder, value, ty, types.int64))
+                values.append(context.cast(builder, value, ty, types.float64 if isinstance(ty, types.Float)
+                                           else types.int64))
         fn_type = ir.FunctionType(ir.VoidType(), [v.type for v in values])
         address_64 = context.cast(builder, llargs[0], address, types.int64)
         builder.call(builder.inttoptr(address_64, fn_type.as_pointer()), values)

@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "4dbbe525f0e4d3d30a6acee3ad86061c005db4c7e38eb26332a75ced86ce90c1"
+HELPERS_SHA256 = "f0bbbbe294f7137814c815d2f7b10dc89f594f299fb4b10309f4bb6b41163497"
 
 
 @jit()
