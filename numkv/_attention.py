@@ -381,12 +381,17 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         inputs.append(flat)
         desc += (base, *strides, 0)
     desc += (0, *[s // size for s in y4.strides], 0)  # Y: new and contiguous, y4 starts where y does
+    desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     n_items, rows = b * hkv * n_units, group * block_q
-    # The loops of the formats it reads, compiled before the kernel runs.
-    loops = kernels.loop_addresses(size // 8, dtype_codes, uses_blas)
+    # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
+    acc = size // 8
+    kv = [(row[kernels.DTYPE], row[kernels.STRIDE_D], row[kernels.STRIDE_S], width)
+          for row, width in zip(desc[1:5], (d, d, dv, dv))]
+    loops = kernels.loop_addresses(acc, dtype_codes[1:], kernels.widened_codes(acc, dtype_codes[0], kv, uses_blas),
+                                   uses_blas)
     plan = _Plan(
         ints=ints,
-        desc=np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS)),
+        desc=desc,
         floats=np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype),
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,

@@ -89,7 +89,7 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
-from .format_loops import addresses as loop_addresses  # noqa: F401 (the wrapper's)
+from .format_loops import addresses as loop_addresses, widened_codes  # noqa: F401 (the wrapper's)
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
@@ -108,7 +108,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "ee80af92b971f5b1d7a63478921f46929aa1e93289d3c63f7075dba21b79a84e"
+HELPERS_SHA256 = "0783b0d0be7d35af2c17eb0133062faab2300aa0bfa868ac1f1cc5bd3d1abe79"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "e9b02aefc2ed3bf28fa767efe47c9bb1604a86f06117356620e54bef13dc6f44"
+HELPERS_SHA256 = "30d7b0eaea7c56ae9a96306e543f1daa5b5c589d1d7eea17084984bf13397a45"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -50,18 +50,18 @@ _compiled = {}  # (acc, code, field) -> its C function (kept alive: TABLES holds
 _lock = threading.Lock()
 
 
-def addresses(acc, codes, blas):
-    """``TABLES[acc]``, with every loop a call of accumulation dtype ``acc``
-    (0: float32, 1: float64) whose Q, K and V have dtype ``codes`` may
-    take compiled: from numba's disk cache, else now (~0.2-0.8 s each, CPU).
-    Widening for every code; decode's loops for float32 rows and the codes
-    read in place (``IN_PLACE``), or for float64 rows; BLAS' products
-    where ``blas`` (the call's tiles have enough query rows)."""
+def addresses(acc, kv_codes, widened, blas):
+    """``TABLES[acc]``, with every C function a call of accumulation dtype
+    ``acc`` (0: float32, 1: float64) may make compiled: from numba's disk
+    cache, else now (~0.2-0.8 s each, CPU).  The softmax and decode's loops
+    for rows of the accumulation dtype, and for float32 accumulators those
+    of the ``IN_PLACE`` formats among the K / V dtype codes ``kv_codes``;
+    the widening of the dtype codes ``widened`` (``widened_codes``); BLAS'
+    products and softmax where ``blas`` (the call's tiles have enough query
+    rows)."""
     acc_code = F64 if acc else F32
-    wanted = [(code, WIDEN) for code in codes]
-    wanted += [(code, field) for code in ((F32, *(c for c in codes if c in IN_PLACE)) if acc == 0 else (F64,))
-               for field in (SCORES, VALUES)]
-    wanted += [(acc_code, SOFTMAX)]
+    wanted = [(code, WIDEN) for code in widened] + [(acc_code, SOFTMAX), (acc_code, SCORES), (acc_code, VALUES)]
+    wanted += [(code, field) for code in kv_codes if acc == 0 and code in IN_PLACE for field in (SCORES, VALUES)]
     if blas:
         wanted += [(acc_code, BLAS_SCORES), (acc_code, BLAS_VALUES), (acc_code, BLAS_SOFTMAX)]
     table = TABLES[acc]
@@ -73,6 +73,23 @@ def addresses(acc, codes, blas):
                     _compiled[acc, code, field] = function
                     table[code, field] = function.address
     return table
+
+
+def widened_codes(acc, q_code, kv, blas):
+    """The dtype codes whose rows a call widens into tiles: Q's, and a K or
+    V tensor's unless every tile reads it in place (``widen._kv_tile``):
+    unit-stride rows of the accumulation dtype that do not overlap, or of
+    an ``IN_PLACE`` format in decode's loops (float32 accumulators, no
+    BLAS).  ``kv``: ``(code, element stride, row stride, row width)`` per
+    tensor."""
+    acc_code = F64 if acc else F32
+    codes = {q_code}
+    for code, stride, row_stride, width in kv:
+        in_place = stride == 1 and (row_stride >= width if code == acc_code
+                                    else acc == 0 and not blas and code in IN_PLACE)
+        if not in_place:
+            codes.add(code)
+    return sorted(codes)
 
 
 def _compile(acc, code, field):

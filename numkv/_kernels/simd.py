@@ -231,8 +231,9 @@ def _call(typingctx, address, args):
                 arr = context.make_array(ty)(context, builder, value)
                 values += [arr.data, arr.nitems]
             else:
-                values.append(context.cast(builder, value, ty, types.float64 if isinstance(ty, types.Float)
-                                           else types.int64))
+                target = types.float64 if isinstance(ty, types.Float) else types.int64
+                values.append(context.get_constant(target, ty.literal_value) if isinstance(ty, types.Literal)
+                              else context.cast(builder, value, ty, target))
         fn_type = ir.FunctionType(ir.VoidType(), [v.type for v in values])
         address_64 = context.cast(builder, llargs[0], address, types.int64)
         builder.call(builder.inttoptr(address_64, fn_type.as_pointer()), values)
