@@ -345,9 +345,9 @@ def test_decode_loops_read_quantized_rows_in_place(fmt, f16c):
         for j in range(0, n, 4):
             k_at = (np.uint64(j) * ld, np.uint64(j + 1) * ld, np.uint64(j + 2) * ld, np.uint64(j + 3) * ld)
             s = np.uint64(j)
-            decode_loops._dots(scores[0], (s,), 4, qf, (zero,), rows, k_at, q.shape[1], code)
+            decode_loops._dots(scores[0], (s,), 4, qf, (zero,), rows, k_at, q.shape[1], code, zero)
             decode_loops._dots(scores[1], (s, s + np.uint64(n), s + np.uint64(2 * n), s + np.uint64(3 * n)), 4, qf,
-                               (zero, width, width + width, width + width + width), rows, k_at, q.shape[1], code)
+                               (zero, width, width + width, width + width + width), rows, k_at, q.shape[1], code, zero)
 
     values = np.zeros((8, 5, d), np.float32)
     scores = np.full((2, 4 * 8), np.nan, np.float32)

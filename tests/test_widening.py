@@ -155,9 +155,9 @@ def test_decode_loops_widen_every_pattern_exactly(name, length, forced):
             k_at = (np.uint64(j) * width, np.uint64(j + 1) * width, np.uint64(j + 2) * width,
                     np.uint64(j + 3) * width)
             at = np.uint64(j)
-            decode_loops._dots(scores[0], (at,), 4, q, (np.uint64(0),), keys, k_at, q.size, code)
+            decode_loops._dots(scores[0], (at,), 4, q, (np.uint64(0),), keys, k_at, q.size, code, zero)
             decode_loops._dots(scores[1], (at, at + n, at + n + n, at + n + n + n), 4, q, q_rows, keys, k_at, q.size,
-                          code)
+                          code, zero)
 
     keys = np.zeros((patterns.size, length), patterns.dtype)
     keys[:, 0] = patterns

@@ -108,7 +108,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "0783b0d0be7d35af2c17eb0133062faab2300aa0bfa868ac1f1cc5bd3d1abe79"
+HELPERS_SHA256 = "0c5770f7ff0a69f178d1ea25843fc93eddb80b918a54d362f98fc93f2c1ff570"
 
 
 # -- work items --------------------------------------------------------------------------

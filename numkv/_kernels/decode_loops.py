@@ -32,7 +32,7 @@ AXPY_RUN_VECTORS = 4
 
 
 @intrinsic(prefer_literal=True)
-def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
+def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
     ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
     ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
@@ -57,11 +57,12 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code):
             and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype
             and isinstance(code, types.IntegerLiteral)):
         return None
-    return types.void(out, out_at, count, q, q_at, k, k_at, length, code), _emit_dots
+    return types.void(out, out_at, count, q, q_at, k, k_at, length, code, ahead), _emit_dots
 
 
 def _emit_dots(context, builder, sig, args):
-    out_ty, _, count_ty, q_ty, q_at_ty, k_ty, _, length_ty, _ = sig.args
+    out_ty, _, count_ty, q_ty, q_at_ty, k_ty, _, length_ty, _, ahead_ty = sig.args
+    ahead = context.cast(builder, args[9], ahead_ty, types.int64)
     out_arr = context.make_array(out_ty)(context, builder, args[0])
     q_arr = context.make_array(q_ty)(context, builder, args[3])
     k_arr = context.make_array(k_ty)(context, builder, args[5])
@@ -72,7 +73,7 @@ def _emit_dots(context, builder, sig, args):
     def rows(elem, narrow):
         keys = builder.bitcast(k_arr.data, elem.as_pointer())
         k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(4)]
-        return _dot_sums(builder, q_rows, k_rows, length, real, narrow)
+        return _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead)
 
     row_ty = ir.VectorType(real, 4)
     i32 = ir.IntType(32)
@@ -85,9 +86,11 @@ def _emit_dots(context, builder, sig, args):
     return context.get_dummy_value()
 
 
-def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
+def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
     """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its four
-    keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``)."""
+    keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``);
+    each vector of a key row loaded asks for the one ``ahead`` elements on
+    (``_axpy``'s ``ahead``)."""
     i64 = ir.IntType(64)
     lanes = VECTOR_BYTES // _BYTES[str(real)]
     vec = ir.VectorType(real, lanes)
@@ -99,6 +102,9 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
         def body(at, accs):
             qs = [_load(builder, row, at, width) for row in q_rows]
             ks = [_load_widened(builder, row, at, width, narrow) for row in k_rows]
+            if width > 1:
+                for row in k_rows:
+                    _emit_prefetch(builder, builder.gep(row, [builder.add(at, ahead)]))
             return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
         return body
 
@@ -108,6 +114,7 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow):
                for s in range(0, fmt.block, lanes)] for row in q_rows]
         for j, row in enumerate(k_rows):
             ks = fmt.widen_block(builder, _load(builder, row, at, fmt.block))
+            _emit_prefetch(builder, builder.gep(row, [builder.add(at, ahead)]))
             for r, q_parts in enumerate(qs):
                 for qv, kv in zip(q_parts, ks):
                     accs[4 * r + j] = builder.call(fn, [qv, kv, accs[4 * r + j]])

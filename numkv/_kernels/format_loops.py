@@ -39,7 +39,7 @@ from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "30d7b0eaea7c56ae9a96306e543f1daa5b5c589d1d7eea17084984bf13397a45"
+HELPERS_SHA256 = "7644ff9a60b9e1e22b6ff94ddb2d36901e4798c7b6ca610f23af2c71ea8e4695"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -187,15 +187,12 @@ def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
     (GQA equals MHA with K/V repeated) nor on the tile's length (a masked
     key at its end changes nothing)."""
     at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
-    ahead = np.uint64(PREFETCH_KEYS) * ld
-    size = _itemsize(code)
+    ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
     last_key = n - 1
     for j in range(0, n, 4):
         keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
         k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
                 at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
-        if prefetch:
-            _prefetch_ahead(kb, k_at[0] + ahead, 4 * d_k, size)
         count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
         r = 0
         while r + 4 <= rows:
@@ -203,15 +200,15 @@ def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
                     np.uint64(r + 3) * width)
             s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
                     s0 + np.uint64(r + 3) * stride)
-            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
             r += 4
         if r + 2 <= rows:
             q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
             _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
-                  d_k, code)
+                  d_k, code, ahead)
             r += 2
         if r < rows:
-            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code)
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code, ahead)
 
 
 # -- values: acc += p V --------------------------------------------------------------------
