@@ -123,12 +123,12 @@ class _Progress:
 
 def _first_compile(label):
     """What a run's first call may compile, and about how long that takes from
-    a cold cache (measured on 2 cores: 8.6-9.3 s for the first run's float32
-    attention, whose kernel every later run's cache dtype reuses; 0.5 s for
-    each cache dtype's writes)."""
+    a cold cache (measured on 2 cores: ~7 s for the first run's float32
+    attention, prefill and decode, whose kernel every later run reuses; ~1-1.5
+    s for another cache dtype's loops, 0.5 s for its writes)."""
     if label.startswith("(a)"):
-        return f"run {label}: float32 attention", 10
-    return f"run {label}", 5
+        return f"run {label}: float32 attention", 7
+    return f"run {label}", 2
 
 
 def _timed(decoder, prompts, new_tokens, label, **kwargs):

@@ -344,9 +344,10 @@ def measure_and_print_limits():
 
 def warm_up_kernels():
     """Compile (or load) the kernels the cases call before any is timed,
-    saying so first when numba's cache is cold: one float32 attention kernel
-    serves every dtype the cases use, with the BLAS tiles, the decode loop
-    and the merge of a split key range; and the scatter kernel."""
+    saying so first when numba's cache is cold: the float32 attention
+    kernel with the BLAS tiles, the decode loops and the merge of a split
+    key range; and the scatter kernel.  (Each other K/V format compiles its
+    own loops on its case's first, untimed, call.)"""
     from numkv._cli.compile_notice import compile_notice
 
     with compile_notice("the benchmarked cases", seconds=15):

@@ -1,8 +1,8 @@
 """Blocked attention with an online softmax (ONNX Attention, opsets 23-25):
 the algorithm, top-down -- work items (``attention_items``), scores
-(``_scores``), the softmax of a tile (``_softmax_tile``), the value update
-(``_accumulate``), the output rows (``_write_rows``), the merge of a split
-key range (``attention_merge``).
+(``_scores``), the softmax of a tile (``softmax._softmax_tile``), the value
+update (``_accumulate``), the output rows (``_write_rows``), the merge of a
+split key range (``attention_merge``).
 
 Named dims: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G =
 Hq // Hkv`` query heads per kv head, ``Sq`` queries, ``P`` past keys, ``T = P +
@@ -15,13 +15,25 @@ The modules beside this one, each imported only by those above it::
     simd          the LLVM IR toolkit: views, prefetches, loops, lane reductions
     gemm          BLAS' sgemm/dgemm from jitted code (prefill's products)
     widen         bits -> float per K/V format; tiles; the formats read in place
+    softmax       the online softmax of a tile of scores, and its float32 exp
     decode_loops  decode's fused loops: four keys' dot products, value runs
+    format_loops  the C functions this kernel calls by address, compiled on
+                  demand: each format's loops and widening, BLAS' products,
+                  the softmax
+
+Compilation.  The loops that depend on a K/V format, and the BLAS and
+softmax steps, are C functions of their own (``format_loops``), compiled
+when a call first needs them and called through ``loops``, a table of their
+addresses, once per tile: this kernel compiles once per accumulation dtype
+and a new format adds only its own loops (a cold float32 decode call: 10.1
+CPU s with every format's loops compiled in, 5.5 now; see
+docs/compile-time.md).
 
 Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype (one per accumulation dtype).  Elements are widened into
+every input dtype (one per accumulation dtype; each format's loops apart).  Elements are widened into
 tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
 (``widen._widen_rows_of``); K/V rows already in the accumulation dtype, unit
@@ -29,7 +41,7 @@ stride, are read in place, and so are the rows of ``widen.FORMATS``
 (bfloat16, float16, float8_e4m3fn, float8_e5m2) in decode
 (``widen._kv_tile``), widened as the loops load them (``decode_loops``: a
 half or a quarter of the bytes read, no tile copy; the loop for each dtype
-is chosen at run time; float8_e4m3fn, in passes of four query rows, 64
+at its address in ``loops``; float8_e4m3fn, in passes of four query rows, 64
 elements at a time by a byte table where the CPU has AVX-512 VBMI).  Keys
 ``j < P`` come from the past buffers, the rest from the new K/V (no
 concatenation).  ``mask`` (additive) and ``y`` are flat accumulation-dtype
@@ -42,9 +54,9 @@ their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``gemm._gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
 single-thread size); few rows (decode) take loops that score four rows
-against four keys per pass (``_scores``, ``decode_loops._dots``) and add a
-run of keys' values to four rows at a time, their accumulators held in
-registers over the run (``_accumulate``, ``decode_loops._axpy``).
+against four keys per pass (``_scores``, ``format_loops._score_keys``) and
+add a run of keys' values to four rows at a time, their accumulators held in
+registers over the run (``_accumulate``, ``format_loops._add_values``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
