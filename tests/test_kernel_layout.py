@@ -145,3 +145,35 @@ def test_the_algorithm_module_holds_no_ir_and_reads_top_down():
     assert len(source.splitlines()) <= 900
     functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert functions[0] == "attention_items", functions[:3]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the exception it prints
+def test_a_c_function_that_stops_on_an_exception_makes_its_caller_raise():
+    """numba's C functions print an exception (an index out of bounds under
+    NUMBA_BOUNDSCHECK, as CI's bounds-check stage runs them) and return 0
+    where they return 1 when done: the kernels call them through
+    ``simd._run``, which raises then -- so that stage still fails."""
+    import numpy as np
+    from numba import carray, cfunc, njit, types
+
+    from numkv._kernels.simd import _run
+
+    @cfunc(types.int64(types.CPointer(types.float32), types.int64), boundscheck=True)
+    def out_of_bounds(data, size):
+        carray(data, size)[size] = 1.0  # one past the end
+        return 1
+
+    @cfunc(types.int64(types.CPointer(types.float32), types.int64), boundscheck=True)
+    def in_bounds(data, size):
+        carray(data, size)[size - 1] = 1.0
+        return 1
+
+    @njit
+    def call(address, x):
+        _run(address, (x,))
+
+    x = np.zeros(4, np.float32)
+    call(in_bounds.address, x)
+    assert x[3] == 1.0
+    with pytest.raises(RuntimeError, match="stopped on an exception"):
+        call(out_of_bounds.address, np.zeros(4, np.float32))

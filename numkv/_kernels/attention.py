@@ -113,14 +113,14 @@ from .layout import (  # noqa: F401
     STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
     V_HEAD_SIZE, VALUES,
 )
-from .simd import _call, _claim, _view
+from .simd import _run, _claim, _view
 from .softmax import _exp
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "0c5770f7ff0a69f178d1ea25843fc93eddb80b918a54d362f98fc93f2c1ff570"
+HELPERS_SHA256 = "7112b06574bd288f7c4030220db921eeb06cd1e2d72469a8d2dce2b405e08216"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
-                        _call(loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],  # softmax._softmax_tile
+                        _run(loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],  # softmax._softmax_tile
                               (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
                                desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
                                score_scale))
@@ -267,9 +267,9 @@ def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch
     format (four keys a pass), which take a narrow one too; ``prefetch``:
     the keys ahead, where ``kb`` is the cache itself."""
     if use_blas:
-        _call(loop, (qt, kb, s, ko, kld, rows, n, qt.shape[1], gemm_limit, gemm_fn))
+        _run(loop, (qt, kb, s, ko, kld, rows, n, qt.shape[1], gemm_limit, gemm_fn))
     else:
-        _call(loop, (qt, s, kb, ko, kld, rows, n, qt.shape[1], prefetch))
+        _run(loop, (qt, s, kb, ko, kld, rows, n, qt.shape[1], prefetch))
 
 
 # -- the value update: acc = alpha acc + P V ---------------------------------------------
@@ -292,9 +292,9 @@ def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm
             for d in range(d_v):
                 acc[r, d] *= a
     if use_blas and not skip_masked:
-        _call(loop, (p, vb, acc, vo, vld, rows, n, d_v, gemm_limit, gemm_fn))
+        _run(loop, (p, vb, acc, vo, vld, rows, n, d_v, gemm_limit, gemm_fn))
     else:
-        _call(loop, (p, acc, vb, vo, vld, rows, n, d_v, prefetch))
+        _run(loop, (p, acc, vb, vo, vld, rows, n, d_v, prefetch))
 
 
 @jit()

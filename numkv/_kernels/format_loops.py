@@ -15,7 +15,9 @@ function (``numba.cfunc``) per accumulation dtype, format and loop, whose
 address the wrapper writes into ``TABLES`` (``addresses``) before the kernel
 runs.  The kernel makes one call per tile of keys, so the call costs
 nothing measurable; the loops' machine code is what it was inside the
-kernel.
+kernel.  Each function returns 1 when done: a numba C function that an
+exception stops (an index out of bounds under ``NUMBA_BOUNDSCHECK``) prints
+it and returns 0, and the kernel raises then (``simd._run``).
 """
 
 import math
@@ -29,9 +31,9 @@ from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
 from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32,
                      F64, FORMAT_FIELDS, LOOP_FIELDS, N_CODES, SCORES, SOFTMAX, VALUES, WIDEN)
-from .simd import PREFETCH_KEYS, VECTOR_BYTES, _prefetch_ahead
+from .simd import PREFETCH_KEYS, VECTOR_BYTES
 from .softmax import _softmax_tile
-from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
+from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
 
 # sha256 of the sources of the modules this one compiles into its loops
@@ -39,7 +41,7 @@ from .widen import (IN_PLACE, _itemsize, _prefetch_rows, _rows_bfloat16, _rows_e
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "7644ff9a60b9e1e22b6ff94ddb2d36901e4798c7b6ca610f23af2c71ea8e4695"
+HELPERS_SHA256 = "a6fb8576281ece959914beda08f3ff83dece1a93d451eaa609dcf311f1e07aa4"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -100,35 +102,40 @@ def _compile(acc, code, field):
     rows_ptr, bytes_ptr, i64 = types.CPointer(real), types.CPointer(types.uint8), types.int64
     ITEM_BYTES = 8 if acc else 4  # noqa: N806 (a constant of the functions: K / V arrive as bytes)
     if field == SCORES:
-        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
         def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch):
             _score_keys(carray(q, q_size), carray(s, s_size), carray(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
+            return 1
         return scores
     if field == VALUES:
-        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
         def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch):
             _add_values(carray(p, p_size), carray(acc, acc_size), carray(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
+            return 1
         return values
     if field == BLAS_SCORES:
-        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
         def blas_scores(q, q_size, k, k_size, s, s_size, ko, kld, rows, n, d_k, gemm_limit, gemm_fn):
             _gemm_scores(carray(q, (rows, d_k)), carray(k, k_size // ITEM_BYTES), ko, kld, carray(s, (rows, n)),
                          rows, n, gemm_limit, gemm_fn)
+            return 1
         return blas_scores
     if field == BLAS_VALUES:
-        @c_function(types.void(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
         def blas_values(p, p_size, v, v_size, acc, acc_size, vo, vld, rows, n, d_v, gemm_limit, gemm_fn):
-            _gemm_accumulate(carray(p, (rows, n)), carray(v, v_size // ITEM_BYTES), vo, vld, carray(acc, (rows, d_v)),
-                             rows, n, gemm_limit, gemm_fn)
+            _gemm_accumulate(carray(p, (rows, n)), carray(v, v_size // ITEM_BYTES), vo, vld,
+                             carray(acc, (rows, d_v)), rows, n, gemm_limit, gemm_fn)
+            return 1
         return blas_values
     if field in (SOFTMAX, BLAS_SOFTMAX):
-        fast_sum, ints_ptr, flags_ptr, f64 = field == BLAS_SOFTMAX, types.CPointer(i64), types.CPointer(types.uint8), types.float64
+        fast_sum = field == BLAS_SOFTMAX
+        ints_ptr, flags_ptr, f64 = types.CPointer(i64), types.CPointer(types.uint8), types.float64
 
-        @c_function(types.void(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64,
-                               rows_ptr, i64, flags_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f64, f64),
-                    contract=True)
+        @c_function(types.int64(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, rows_ptr,
+                                i64, rows_ptr, i64, flags_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f64,
+                                f64), contract=True)
         def softmax(s, s_size, lo, lo_size, hi, hi_size, mask, mask_size, m, m_size, l, l_size, alpha, alpha_size,
                     bad, bad_size, rows, n, nq, j0, edge, mask_base, stride_i, stride_j, stride_g, softcap,
                     score_scale):
@@ -136,11 +143,12 @@ def _compile(acc, code, field):
                           carray(mask, mask_size), mask_base, stride_i, stride_j, stride_g, softcap, score_scale,
                           carray(m, m_size), carray(l, l_size), carray(alpha, alpha_size), carray(bad, bad_size),
                           fast_sum)
+            return 1
         return softmax
     fields = len(FORMAT_FIELDS)
 
-    @c_function(types.void(rows_ptr, i64, bytes_ptr, i64, types.CPointer(types.float32), i64,
-                           types.CPointer(types.int64), i64, i64, i64, i64, i64, i64, i64))
+    @c_function(types.int64(rows_ptr, i64, bytes_ptr, i64, types.CPointer(types.float32), i64,
+                            types.CPointer(types.int64), i64, i64, i64, i64, i64, i64, i64))
     def widen(dst, dst_size, buf, buf_size, table, table_size, formats, formats_size, r0, n, width, base,
               seq_stride, stride):
         raw = carray(buf, buf_size)
@@ -169,6 +177,7 @@ def _compile(acc, code, field):
             _rows_fnuz(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
         else:
             _rows_quantized(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
+        return 1
     return widen
 
 

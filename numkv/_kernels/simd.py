@@ -11,7 +11,7 @@ Two kinds of names:
 
 * intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``,
   ``_maximum``, ``_prefetch``, ``_view``, ``_claim``, ``_row_sum``,
-  ``_half_bits``, ``_load_acquire``, ``_pause``, ``_call``;
+  ``_half_bits``, ``_load_acquire``, ``_pause``, ``_call`` (and ``_run``);
 * IR builders, called by other generators with an ``llvmlite`` ``builder``:
   ``_broadcast``, ``_splat``, ``_as_i32``, ``_emit_loop``, ``_phis``,
   ``_reduce_lanes``, ``_load``, ``_fmuladd``, ``_emit_prefetch``,
@@ -215,10 +215,11 @@ def _call(typingctx, address, args):
     """Call the C function at ``address`` (an integer: a ``numba.cfunc``'s
     ``.address``) with ``args``, a tuple of arrays and numbers: an array
     passes as two arguments, its data pointer and its element count, an
-    integer (or a bool) as an int64, a float as a float64.  It returns
-    nothing.  The function is compiled on
-    its own and linked at run time, so the caller's compilation neither
-    includes nor re-optimises it (``format_loops``)."""
+    integer (or a bool) as an int64, a float as a float64.  It returns the
+    function's int64 (``format_loops``' return 1; numba's C functions return
+    0 where an exception stopped them: ``_run``).  The function is compiled
+    on its own and linked at run time, so the caller's compilation neither
+    includes nor re-optimises it."""
     if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
             and all(isinstance(t, (types.Array, types.Integer, types.Boolean, types.Float)) for t in args)):
         return None
@@ -234,12 +235,20 @@ def _call(typingctx, address, args):
                 target = types.float64 if isinstance(ty, types.Float) else types.int64
                 values.append(context.get_constant(target, ty.literal_value) if isinstance(ty, types.Literal)
                               else context.cast(builder, value, ty, target))
-        fn_type = ir.FunctionType(ir.VoidType(), [v.type for v in values])
+        fn_type = ir.FunctionType(ir.IntType(64), [v.type for v in values])
         address_64 = context.cast(builder, llargs[0], address, types.int64)
-        builder.call(builder.inttoptr(address_64, fn_type.as_pointer()), values)
-        return context.get_dummy_value()
+        return builder.call(builder.inttoptr(address_64, fn_type.as_pointer()), values)
 
-    return types.void(address, args), codegen
+    return types.int64(address, args), codegen
+
+
+@jit(inline=True)
+def _run(address, args):
+    """``_call``, raising where the function did not finish: an exception in
+    a numba C function (an index out of bounds under ``NUMBA_BOUNDSCHECK``)
+    is printed, not propagated -- the function returns 0 instead of 1."""
+    if _call(address, args) != 1:
+        raise RuntimeError("a numkv loop stopped on an exception (printed above): an index out of bounds?")
 
 
 # -- vectors ----------------------------------------------------------------------------

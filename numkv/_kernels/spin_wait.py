@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "54c20a9a70784c2226fbb93f4dc15160dd532406287e8699cad80f16b49f1b1f"
+HELPERS_SHA256 = "3f234196449724897b10dd083971c18726d511890a0a78a1323a3e56678cc105"
 
 
 @jit()

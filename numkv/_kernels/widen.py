@@ -37,10 +37,10 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_f16c, has_vbmi
-from .layout import (BASE, BF16, DTYPE, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, INFNAN_EM, INT4,
+from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, INFNAN_EM, INT4,
                      INT8, NAN_BITS, NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT,
                      STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, WIDEN)
-from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _call, _float32_from_bits, _prefetch, _splat, _view
+from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _run, _float32_from_bits, _prefetch, _splat, _view
 
 
 # -- bits -> float32, in IR --------------------------------------------------------------
@@ -371,7 +371,7 @@ def _widen_rows_of(loops, dst, r0, n, width, buf, code, base, seq_stride, stride
     ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
     dtype, by that format's C function (``format_loops``: ``_prefetch_rows``,
     then its ``_rows_*`` loop), at ``loops[code, WIDEN]``."""
-    _call(loops[code, WIDEN], (dst, buf, table, formats, r0, n, width, base, seq_stride, stride))
+    _run(loops[code, WIDEN], (dst, buf, table, formats, r0, n, width, base, seq_stride, stride))
 
 
 @jit(inline=True)
