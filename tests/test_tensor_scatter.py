@@ -303,14 +303,25 @@ def spy_kernels(monkeypatch):
     even where NUMKV_REFERENCE=1 is set."""
     monkeypatch.setattr(_config, "REFERENCE", False)
     calls = {"serial": 0, "parallel": 0}
-    run = pool.run
+    run, real = pool.run, scatter_kernels.scatter_items
+    in_pool = []
 
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
-        if kernel is scatter_kernels.scatter_items:
+    def kernel(*args):  # the in-place fast path runs a small write here, not through pool.run
+        if not in_pool:
+            calls["serial"] += 1
+        return real(*args)
+
+    def spy(kernel_, n_items, args, small=False, claimed=False, max_threads=None):
+        if kernel_ is kernel:
             calls["serial" if small else "parallel"] += 1
-        return run(kernel, n_items, args, small, claimed, max_threads)
+        in_pool.append(1)
+        try:
+            return run(kernel_, n_items, args, small, claimed, max_threads)
+        finally:
+            in_pool.pop()
 
     monkeypatch.setattr(pool, "run", spy)
+    monkeypatch.setattr(scatter_kernels, "scatter_items", kernel)
     return calls
 
 
