@@ -33,8 +33,8 @@ Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
 strides in elements, and a dtype code (``DTYPE_CODES``), so 3-D inputs,
 transposes and cache slices are read in place and one compiled kernel serves
-every input dtype (one per accumulation dtype; each format's loops apart).  Elements are widened into
-tiles of the accumulation dtype (float32, or float64 for float64 Q /
+every input dtype (one per accumulation dtype; each format's loops apart).
+Elements are widened into tiles of the accumulation dtype (float32, or float64 for float64 Q /
 ``softmax_precision`` DOUBLE), one tile at a time, never the whole cache
 (``widen._widen_rows_of``); K/V rows already in the accumulation dtype, unit
 stride, are read in place, and so are the rows of ``widen.FORMATS``
@@ -105,22 +105,21 @@ from .format_loops import addresses as loop_addresses, widened_codes  # noqa: F4
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
-    BASE, BATCH, BF16, BLAS_ROWS, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2,
-    E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK,
-    HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES, N_UNITS, NAN_BITS, NAN_EM, NONE,
-    PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORE_SCALE, SCORES, SHIFT, SOFTCAP, STRIDE_B, STRIDE_D,
-    BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, SOFTMAX,
-    STRIDE_H, STRIDE_S, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, TENSOR_FIELDS, TENSORS, TOTAL,
-    V_HEAD_SIZE, VALUES,
+    BASE, BATCH, BF16, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
+    DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS,
+    FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
+    NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES, SCORE_SCALE,
+    SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K, T_MASK,
+    T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
-from .simd import _run, _claim, _view
+from .simd import _claim, _run, _view
 from .softmax import _exp
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "7112b06574bd288f7c4030220db921eeb06cd1e2d72469a8d2dce2b405e08216"
+HELPERS_SHA256 = "69acd5ec0ae55feb408650cd3671c6c405f4bb84386d4a2de939bf834d27b53d"
 
 
 # -- work items --------------------------------------------------------------------------

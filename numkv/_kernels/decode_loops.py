@@ -39,7 +39,11 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
     last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
     raw bytes holding elements of dtype ``code`` (a constant:
-    ``_per_format``), and ``k_at`` counts those elements.
+    ``_per_format``), and ``k_at`` counts those elements.  ``ahead``
+    (elements): each vector of a key row loaded asks for the one that far
+    on (``_prefetch``; 0: itself) -- from inside the loop, as ``_axpy``
+    does: a loop of prefetches before each pass, compiled for float32
+    alone, streamed keys from memory 30% slower (docs/compile-time.md).
 
     Written as LLVM IR so that the eight sums of a vector loop are reduced
     together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for

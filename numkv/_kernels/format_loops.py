@@ -41,12 +41,11 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "a6fb8576281ece959914beda08f3ff83dece1a93d451eaa609dcf311f1e07aa4"
+HELPERS_SHA256 = "0f6477441dd412f4355bbf33138b8e18963de1d674af7a541642de5ae1b74b04"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
 TABLES = np.zeros((2, N_CODES, len(LOOP_FIELDS)), np.int64)
-ACC_DTYPES = (np.float32, np.float64)
 
 _compiled = {}  # (acc, code, field) -> its C function (kept alive: TABLES holds its address)
 _lock = threading.Lock()
@@ -132,6 +131,7 @@ def _compile(acc, code, field):
     if field in (SOFTMAX, BLAS_SOFTMAX):
         fast_sum = field == BLAS_SOFTMAX
         ints_ptr, flags_ptr, f64 = types.CPointer(i64), types.CPointer(types.uint8), types.float64
+        as_real = np.float64 if acc else np.float32  # (the C call passes floats as float64)
 
         @c_function(types.int64(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, rows_ptr,
                                 i64, rows_ptr, i64, flags_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f64,
@@ -140,9 +140,9 @@ def _compile(acc, code, field):
                     bad, bad_size, rows, n, nq, j0, edge, mask_base, stride_i, stride_j, stride_g, softcap,
                     score_scale):
             _softmax_tile(carray(s, (rows, n)), rows, n, nq, j0, carray(lo, lo_size), carray(hi, hi_size), edge != 0,
-                          carray(mask, mask_size), mask_base, stride_i, stride_j, stride_g, softcap, score_scale,
-                          carray(m, m_size), carray(l, l_size), carray(alpha, alpha_size), carray(bad, bad_size),
-                          fast_sum)
+                          carray(mask, mask_size), mask_base, stride_i, stride_j, stride_g, as_real(softcap),
+                          as_real(score_scale), carray(m, m_size), carray(l, l_size), carray(alpha, alpha_size),
+                          carray(bad, bad_size), fast_sum)
             return 1
         return softmax
     fields = len(FORMAT_FIELDS)
