@@ -350,7 +350,7 @@ def warm_up_kernels():
     own loops on its case's first, untimed, call.)"""
     from numkv._cli.compile_notice import compile_notice
 
-    with compile_notice("the benchmarked cases", seconds=15):
+    with compile_notice("the benchmarked cases", seconds=8):
         q = np.ones((1, 32, 40, 16), np.float32)
         numkv.attention(q, q[:, :8], q[:, :8], is_causal=True)        # prefill: BLAS tiles
         k = np.ones((1, 1, 3000, 16), np.float32)
