@@ -177,3 +177,5 @@ def test_a_c_function_that_stops_on_an_exception_makes_its_caller_raise():
     assert x[3] == 1.0
     with pytest.raises(RuntimeError, match="stopped on an exception"):
         call(out_of_bounds.address, np.zeros(4, np.float32))
+    with pytest.raises(RuntimeError, match="was not compiled"):  # a table entry left 0
+        call(0, x)

@@ -119,7 +119,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "69acd5ec0ae55feb408650cd3671c6c405f4bb84386d4a2de939bf834d27b53d"
+HELPERS_SHA256 = "b99c8787949b25565bee9d61a2dd0cd7bd5b1c3cb443e9e542bd468bb645255b"
 
 
 # -- work items --------------------------------------------------------------------------

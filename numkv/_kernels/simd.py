@@ -246,7 +246,11 @@ def _call(typingctx, address, args):
 def _run(address, args):
     """``_call``, raising where the function did not finish: an exception in
     a numba C function (an index out of bounds under ``NUMBA_BOUNDSCHECK``)
-    is printed, not propagated -- the function returns 0 instead of 1."""
+    is printed, not propagated -- the function returns 0 instead of 1; and
+    where the wrapper left a function uncompiled (address 0: a crash
+    otherwise)."""
+    if address == 0:
+        raise RuntimeError("a numkv loop this call needs was not compiled (format_loops.addresses)")
     if _call(address, args) != 1:
         raise RuntimeError("a numkv loop stopped on an exception (printed above): an index out of bounds?")
 

@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "3f234196449724897b10dd083971c18726d511890a0a78a1323a3e56678cc105"
+HELPERS_SHA256 = "357f7c704c27409ea745734d5eefbc0fb953dc5a29c012f7d99d3388b4218e47"
 
 
 @jit()

@@ -14,8 +14,8 @@ Two ways in:
 
 A new format read in place is one ``FORMATS`` entry (its IR widening, its
 bits an element, what it needs of the CPU), its dtype code in ``layout``,
-and its ``_rows_*`` loop for the tile path (``format_loops`` picks it).  The quantised formats
-(``layout.QUANT_FORMATS``: codes with scales) widen a block of 32 at a time
+and its ``_rows_*`` loop for the tile path (``format_loops`` picks it).  The
+quantised formats (``layout.QUANT_FORMATS``: codes with scales) widen a block of 32 at a time
 (``_rows_quantized``).
 
 Widening is written as LLVM IR in 16- and 32-bit lanes with selects: numba's
@@ -37,10 +37,10 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_f16c, has_vbmi
-from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, INFNAN_EM, INT4,
-                     INT8, NAN_BITS, NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT,
-                     STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, WIDEN)
-from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _run, _float32_from_bits, _prefetch, _splat, _view
+from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, INFNAN_EM, INT4, INT8, NAN_BITS, NAN_EM, NONE,
+                     Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D, STRIDE_H,
+                     STRIDE_S, WIDEN)
+from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _float32_from_bits, _prefetch, _run, _splat, _view
 
 
 # -- bits -> float32, in IR --------------------------------------------------------------
