@@ -52,22 +52,45 @@ def c_function(signature, contract=False):
     """A ``numba.cfunc`` of ``signature`` (compiled now, kept in the disk
     cache as ``jit``'s kernels are): a function jitted code calls by its
     address (``_kernels.simd._call``), compiled on its own; ``contract`` as
-    ``jit``'s."""
-    import numba
+    ``jit``'s.  Where it really compiles (not on a disk-cache load) it fires
+    numba's ``"numba:compile"`` event, as a jitted kernel does, which numba
+    does not for a cfunc: the command line's compile notice and ``warmup``
+    then see it."""
+    from numba.core import event, sigutils
+    from numba.core.ccallback import CFunc
 
     options = dict(error_model="numpy")
     if contract:
         options["fastmath"] = {"contract"}
 
     def decorate(func):
+        function = CFunc(func, sigutils.normalize_signature(signature), locals={}, options=options)
         if CACHE:
             try:
-                return numba.cfunc(signature, cache=True, **options)(func)
+                function.enable_caching()
             except RuntimeError:  # no writable cache locator (read-only install)
                 pass
-        return numba.cfunc(signature, **options)(func)
+        compile_uncached = function._compile_uncached  # called only where the disk cache misses
+        seen_as = _Compiled(func)
+
+        def announced():
+            with event.trigger_event("numba:compile", data={"dispatcher": seen_as, "args": signature.args,
+                                                            "return_type": signature.return_type}):
+                return compile_uncached()
+
+        function._compile_uncached = announced
+        function.compile()
+        return function
 
     return decorate
+
+
+class _Compiled:
+    """What a compile event names for a ``c_function``: its Python function
+    (``py_func``, as a dispatcher's)."""
+
+    def __init__(self, py_func):
+        self.py_func = py_func
 
 
 # Tests set this to route every op through its plain NumPy reference path.

@@ -119,7 +119,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "b99c8787949b25565bee9d61a2dd0cd7bd5b1c3cb443e9e542bd468bb645255b"
+HELPERS_SHA256 = "722873bf281917e59b22f64ef40e1a8efe1724d04aab11626d38219de4171867"
 
 
 # -- work items --------------------------------------------------------------------------

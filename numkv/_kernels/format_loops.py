@@ -41,7 +41,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "972c097c1122d631950e0b77ef352ce3958c6407bcc3acd99ab571c76044f2f9"
+HELPERS_SHA256 = "92d92230c56477623df0423f55aec7d370de4d329a123ac21baa6fde5a0c8c2c"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

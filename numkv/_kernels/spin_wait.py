@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "357f7c704c27409ea745734d5eefbc0fb953dc5a29c012f7d99d3388b4218e47"
+HELPERS_SHA256 = "3e108b4184f3a5a96bc4f34a3c4212c6dc290ff84fede28008d7c993523b9ea9"
 
 
 @jit()
