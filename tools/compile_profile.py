@@ -18,9 +18,9 @@ host's descheduling), exclusive of nested regions, per
   compiled while typing it).
 
 The loops of each K/V format (``numkv._kernels.format_loops``: C functions
-compiled on demand) count in the first call's total and in the stages;
-numba's compile events do not name them.  Prints JSON; the figures
-of 2026-11-26 are in docs/compile-time.md.
+compiled on demand) count too, as ``_compile.<locals>.scores`` and the like
+(numkv fires the compile event for them).  Prints JSON; the figures of
+2026-11-26 are in docs/compile-time.md.
 """
 
 import json
