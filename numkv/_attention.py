@@ -361,7 +361,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    inputs, desc, bases, dtype_codes = [], [], [], []
+    inputs, desc, bases, layouts = [], [], [], []
     # A QuantizedArray is read as its storage's bytes (``layout.QUANT_FORMATS``);
     # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
     q = folded_query(call.q, call.k, call.acc_dtype)
@@ -371,7 +371,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
         desc += (base, *strides, code)
-        dtype_codes.append(code)
+        layouts.append((code, strides[3], strides[2]))  # dtype, element and row strides: which loops it needs
     size = call.acc_dtype.itemsize
     if call.mask is None:
         inputs.append(_NO_MASK[size])
@@ -384,11 +384,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     n_items, rows = b * hkv * n_units, group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
-    acc = size // 8
-    kv = [(row[kernels.DTYPE], row[kernels.STRIDE_D], row[kernels.STRIDE_S], width)
-          for row, width in zip(desc[1:5], (d, d, dv, dv))]
-    loops = kernels.loop_addresses(acc, dtype_codes[1:], kernels.widened_codes(acc, dtype_codes[0], kv, uses_blas),
-                                   uses_blas)
+    loops = kernels.loop_table(size // 8, tuple(layouts), (d, d, dv, dv), uses_blas)
     plan = _Plan(
         ints=ints,
         desc=desc,

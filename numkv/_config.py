@@ -70,15 +70,16 @@ def c_function(signature, contract=False):
                 function.enable_caching()
             except RuntimeError:  # no writable cache locator (read-only install)
                 pass
-        compile_uncached = function._compile_uncached  # called only where the disk cache misses
-        seen_as = _Compiled(func)
+        compile_uncached = getattr(function, "_compile_uncached", None)  # called only where the cache misses
+        if compile_uncached is not None:  # (numba's internals: without it, no event, nothing else lost)
+            seen_as = _Compiled(func)
 
-        def announced():
-            with event.trigger_event("numba:compile", data={"dispatcher": seen_as, "args": signature.args,
-                                                            "return_type": signature.return_type}):
-                return compile_uncached()
+            def announced():
+                with event.trigger_event("numba:compile", data={"dispatcher": seen_as, "args": signature.args,
+                                                                "return_type": signature.return_type}):
+                    return compile_uncached()
 
-        function._compile_uncached = announced
+            function._compile_uncached = announced
         function.compile()
         return function
 

@@ -101,7 +101,7 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
-from .format_loops import addresses as loop_addresses, widened_codes  # noqa: F401 (the wrapper's)
+from .format_loops import loop_table  # noqa: F401 (the wrapper's)
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
@@ -119,7 +119,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "722873bf281917e59b22f64ef40e1a8efe1724d04aab11626d38219de4171867"
+HELPERS_SHA256 = "e34f210f5de7b66fca24f46bb47659cfa862634ac4c55077fd7bf268326da148"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ float32 decode call took 10.1 CPU s, 7.2 with the decode loops alone moved
 here (``tools/compile_profile.py``, 2-core EPYC).  Here a call compiles the
 loops of the formats it reads, each once, in a module of its own: a C
 function (``numba.cfunc``) per accumulation dtype, format and loop, whose
-address the wrapper writes into ``TABLES`` (``addresses``) before the kernel
+address the wrapper writes into ``TABLES`` (``loop_table``) before the kernel
 runs.  The kernel makes one call per tile of keys, so the call costs
 nothing measurable; the loops' machine code is what it was inside the
 kernel.  Each function returns 1 when done: a numba C function that an
@@ -41,14 +41,33 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "92d92230c56477623df0423f55aec7d370de4d329a123ac21baa6fde5a0c8c2c"
+HELPERS_SHA256 = "1a6133ee99a6d2fa0d2c1ddc099810ba7243c0cf781ced490f768e0760a014a3"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
 TABLES = np.zeros((2, N_CODES, len(LOOP_FIELDS)), np.int64)
 
 _compiled = {}  # (acc, code, field) -> its C function (kept alive: TABLES holds its address)
+_tables = {}  # loop_table's keys whose functions are compiled
 _lock = threading.Lock()
+
+
+def loop_table(acc, layouts, widths, blas):
+    """``TABLES[acc]`` with every function a call may make compiled
+    (``addresses``), for its Q, past K, K, past V and V ``layouts``
+    (``(dtype code, element stride, row stride)`` each; ``widths``: the
+    K / V rows' elements) and whether its tiles take BLAS; remembered per
+    layout, so a call whose plan is not kept pays one lookup (computing it
+    cost 1.8 us)."""
+    key = (acc, layouts, widths, blas)
+    table = _tables.get(key)
+    if table is None:
+        kv = [(*layout, width) for layout, width in zip(layouts[1:], widths)]
+        table = addresses(acc, [code for code, *_ in kv], widened_codes(acc, layouts[0][0], kv, blas), blas)
+        if len(_tables) >= 1024:
+            _tables.clear()
+        _tables[key] = table
+    return table
 
 
 def addresses(acc, kv_codes, widened, blas):
@@ -59,7 +78,8 @@ def addresses(acc, kv_codes, widened, blas):
     of the ``IN_PLACE`` formats among the K / V dtype codes ``kv_codes``;
     the widening of the dtype codes ``widened`` (``widened_codes``); BLAS'
     products and softmax where ``blas`` (the call's tiles have enough query
-    rows)."""
+    rows).  Two threads may compile at once: each entry is written whole,
+    under a lock."""
     acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in widened] + [(acc_code, SOFTMAX), (acc_code, SCORES), (acc_code, VALUES)]
     wanted += [(code, field) for code in kv_codes if acc == 0 and code in IN_PLACE for field in (SCORES, VALUES)]

@@ -23,7 +23,7 @@ from .simd import _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "3e108b4184f3a5a96bc4f34a3c4212c6dc290ff84fede28008d7c993523b9ea9"
+HELPERS_SHA256 = "16883ae53a5abe3c94935a637ae99d7c0e7efe9e88d4cb569676504e60e0c950"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
