@@ -371,7 +371,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
         desc += (base, *strides, code)
-        layouts.append((code, strides[3], strides[2]))  # dtype, element and row strides: which loops it needs
+        # dtype, element and row strides: which loops it needs (none for K / V without keys, never read)
+        layouts.append((code, strides[3], strides[2]) if arr is q or arr.shape[2] else None)
     size = call.acc_dtype.itemsize
     if call.mask is None:
         inputs.append(_NO_MASK[size])
@@ -392,7 +393,6 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         small=small, claimed=CLAIM_ITEMS and not small, threads=threads,
-        merge_small=small or n_items * rows * dv * n_chunks < SINGLE_THREAD_MACS,
         y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
@@ -430,7 +430,6 @@ class _Plan:
     small: bool
     claimed: bool
     threads: int  # at most this many share the kernel (``_useful_threads``)
-    merge_small: bool
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
     loops: np.ndarray = None  # the addresses of its formats' loops (``format_loops``)
 
@@ -453,19 +452,17 @@ class _Plan:
             part_m = np.empty((parts, self.rows), self.acc_dtype)
             part_l = np.empty((parts, self.rows), self.acc_dtype)
             part_acc = np.empty((parts, self.rows, self.v_head_size), self.acc_dtype)
+            chunks_done = np.zeros(self.n_items, np.int64)  # the last thread to finish an item's chunk merges them
         else:  # never touched
             part_m, part_acc = _NO_PARTS[size]
-            part_l = part_m
+            part_l, chunks_done = part_m, _NO_COUNTER
         counter = np.zeros(1, np.int64) if self.claimed else _NO_COUNTER
         flat_y = y.reshape(-1)
         pool.run(kernels.attention_items, self.n_items * self.n_chunks, (
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, self.loops, part_m, part_l, part_acc,
-            counter),
+            counter, chunks_done),
             self.small, self.claimed, max_threads=self.threads)
-        if self.n_chunks > 1:  # merge the chunks' partial softmaxes
-            pool.run(kernels.attention_merge, self.n_items,
-                         (flat_y, self.ints, self.desc, part_m, part_l, part_acc), self.merge_small)
         if self.y_scale is not None:  # y_d = s_d sum_j p_j c_jd / l (a QuantizedArray V: Y is 4-D)
             y *= self.y_scale
         return _finish(y, self.out_dtype)

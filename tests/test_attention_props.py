@@ -250,20 +250,26 @@ def test_threads_are_capped_by_the_work(monkeypatch):
 
 def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
     # A call below SINGLE_THREAD_MACS runs on one thread: its keys are not
-    # split into chunks (no merge); a larger one is.  Both match a forced split.
+    # split into chunks (nothing to merge); a larger one is.  Both match a
+    # forced split.
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 4, 1, 16), np.float32)
     k = rng.standard_normal((1, 1, 3000, 16), np.float32)
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     call = _attention.prepare(q, k, v)
     macs = 4 * 3000 * 32
-    kernels, run = [], pool.run
-    monkeypatch.setattr(pool, "run", lambda kernel, *a, **kw: kernels.append(kernel.__name__) or run(kernel, *a, **kw))
-    for threshold, merged in ((macs + 1, False), (macs, True)):
-        kernels.clear()
+    splits, run = [], pool.run
+
+    def spy(kernel, n_items, args, *rest, **options):
+        splits.append(args[-1].size > 0)  # chunks_done: counted only where the keys are split
+        return run(kernel, n_items, args, *rest, **options)
+
+    monkeypatch.setattr(pool, "run", spy)
+    for threshold, split in ((macs + 1, False), (macs, True)):
+        splits.clear()
         monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", threshold)
         y = _attention.run(call)
-        assert ("attention_merge" in kernels) == merged
+        assert splits == [split]
         assert_close_f32(y, _attention.run(call, kv_chunk=512), {"K": k, "V": v})
 
 

@@ -152,11 +152,13 @@ def test_a_c_function_that_stops_on_an_exception_makes_its_caller_raise():
     """numba's C functions print an exception (an index out of bounds under
     NUMBA_BOUNDSCHECK, as CI's bounds-check stage runs them) and return 0
     where they return 1 when done: the kernels call them through
-    ``simd._run``, which raises then -- so that stage still fails."""
+    ``simd._run``, which reports the failure (as it does a table entry left
+    0, which it does not call), and raise then -- so that stage still
+    fails."""
     import numpy as np
     from numba import carray, cfunc, njit, types
 
-    from numkv._kernels.simd import _run
+    from numkv._kernels.simd import LOOP_FAILED, _run
 
     @cfunc(types.int64(types.CPointer(types.float32), types.int64), boundscheck=True)
     def out_of_bounds(data, size):
@@ -170,7 +172,8 @@ def test_a_c_function_that_stops_on_an_exception_makes_its_caller_raise():
 
     @njit
     def call(address, x):
-        _run(address, (x,))
+        if _run(address, (x,)):
+            raise RuntimeError(LOOP_FAILED)
 
     x = np.zeros(4, np.float32)
     call(in_bounds.address, x)

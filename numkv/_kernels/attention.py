@@ -105,21 +105,20 @@ from .format_loops import loop_table  # noqa: F401 (the wrapper's)
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
-    BASE, BATCH, BF16, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
+    BASE, BATCH, BF16, FINISH, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
     DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS,
     FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
     NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES, SCORE_SCALE,
     SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K, T_MASK,
     T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
-from .simd import _claim, _run, _view
-from .softmax import _exp
+from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _run, _view
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "e34f210f5de7b66fca24f46bb47659cfa862634ac4c55077fd7bf268326da148"
+HELPERS_SHA256 = "2e23d3513e5b4fe777d3495981e408fd9ddb7b0fe85f5fda30e03d2984426203"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -127,17 +126,22 @@ HELPERS_SHA256 = "e34f210f5de7b66fca24f46bb47659cfa862634ac4c55077fd7bf268326da1
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, loops, part_m, part_l, part_acc, counter):
+                    table, formats, loops, part_m, part_l, part_acc, counter, chunks_done):
     """Work items ``first .. stop``, in order; or, where ``counter`` has an
     element, claimed one at a time (``first + counter[0]``, atomically) by
     every thread running this call over the same range, so that a thread
     that starts late (a sleeping worker takes ~50 us to wake on a VM) or runs
     slow takes fewer.  An item ``(b, kv_head, unit, chunk)``
     covers all ``G`` heads of the kv head for a pair of query tiles over every
-    key, or for one query tile over one chunk of keys (its partial softmax then
-    goes to ``part_*``, for ``attention_merge``).  (One function, not a loop
-    calling an item function: each level of calls re-optimises all the code
-    below it, and this one cost ~4 s of compile time.)"""
+    key, or for one query tile over one chunk of keys: its partial softmax
+    then goes to ``part_*``, and the thread that finishes an item's last
+    chunk (``chunks_done[item]``, counted atomically) merges them in chunk
+    order, so the result depends neither on the thread count nor on which
+    thread came last (``softmax._merge_chunks``; merged here, not in a
+    second pass over the items, a split call hands out work to the threads
+    once).  (One function, not a loop calling an item function: each level
+    of calls re-optimises all the code below it, and this one cost ~4 s of
+    compile time.)"""
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
     group = ints[Q_HEADS] // ints[KV_HEADS]
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
@@ -145,6 +149,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     has_mask = ints[HAS_MASK] != 0
     acc_code = _code_of(y)
     dt = y.dtype
+    q_code, q_acc, q_step = desc[T_Q, DTYPE], _view(q, y), np.uint64(desc[T_Q, STRIDE_D])
     # Scratch for one item at a time, allocated once per call of this function.
     rows_max = group * bq
     qbuf, sbuf = np.empty(rows_max * d_k, dt), np.empty(rows_max * bk, dt)
@@ -155,7 +160,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.uint8)  # bad: 1 where NaN
     claiming = counter.size > 0
+    failures = 0  # C function calls that did not finish (``simd._run``)
     for index in range(first, stop):
+        if failures:
+            break
         work = first + _claim(counter) if claiming else index
         if work >= stop:  # every item is taken
             break
@@ -186,12 +194,18 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     acc[r, d] = 0.0
 
             if t_lo <= t_hi:
-                qt = qbuf[:rows * d_k].reshape((rows, d_k))
+                qt = _as_rows(qbuf[:rows * d_k], d_k)
                 for g in range(group):
                     base = (desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
                             + i0 * desc[T_Q, STRIDE_S])
-                    _widen_rows_of(loops, qt, g * nq, nq, d_k, q, desc[T_Q, DTYPE], base, desc[T_Q, STRIDE_S],
-                                   desc[T_Q, STRIDE_D], table, formats)
+                    if q_code == acc_code:  # copied here: no widening function to compile
+                        for i in range(nq):
+                            at = np.uint64(base + i * desc[T_Q, STRIDE_S])
+                            for d in range(d_k):
+                                qt[g * nq + i, d] = q_acc[at + np.uint64(d) * q_step]
+                    else:
+                        failures += _widen_rows_of(loops, qt, g * nq, nq, d_k, q, q_code, base,
+                                                   desc[T_Q, STRIDE_S], desc[T_Q, STRIDE_D], table, formats)
                 for r in range(rows):
                     for d in range(d_k):
                         qt[r, d] *= q_scale
@@ -208,35 +222,47 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
-                        s = sbuf[:rows * n].reshape((rows, n))
-                        kr, ko, kld, kcode, k_in_place = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
+                        s = _as_rows(sbuf[:rows * n], n)
+                        kr, ko, kld, kcode, k_in_place, failed = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
                                                                   desc, tk, table, formats, loops, acc_code, narrow)
-                        _scores(qt, kr, ko, kld, s, rows, n, use_blas, ints[GEMM_LIMIT], ints[GEMM_FN], k_in_place,
-                                loops[acc_code, BLAS_SCORES] if use_blas else loops[kcode, SCORES])
+                        # s = Q K^T: BLAS for many rows, else the loops of K's format.
+                        failures += failed + _run(
+                            loops[acc_code, BLAS_SCORES] if use_blas else loops[kcode, SCORES],
+                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, ints[GEMM_LIMIT], ints[GEMM_FN]))
                         edge = has_mask
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
-                        _run(loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],  # softmax._softmax_tile
-                              (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
+                        failures += _run(loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],  # _softmax_tile
+                                         (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
                                desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
                                score_scale))
-                        vr, vo, vld, vcode, v_in_place = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
+                        vr, vo, vld, vcode, v_in_place, failed = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
                                                                   desc, tv, table, formats, loops, acc_code, narrow)
                         # Only BLAS' product needs masked keys' V finite (``_accumulate``).
                         skip_masked = use_blas and edge and not _all_finite(_view(vr, y), vo, vld, n, d_v)
-                        _accumulate(s, vr, vo, vld, acc, alpha, rows, n, use_blas, skip_masked,
-                                    ints[GEMM_LIMIT], ints[GEMM_FN], v_in_place,
-                                    loops[acc_code, BLAS_VALUES] if use_blas and not skip_masked
-                                    else loops[vcode, VALUES])
+                        for r in range(rows):
+                            a = alpha[r]
+                            if a != 1.0:
+                                for d in range(d_v):
+                                    acc[r, d] *= a
+                        failures += failed + _run(
+                            loops[acc_code, BLAS_VALUES] if use_blas and not skip_masked else loops[vcode, VALUES],
+                            (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, ints[GEMM_LIMIT], ints[GEMM_FN]))
 
+            chunks = 0  # unsplit: Y's rows from acc and l
             if split:
                 for r in range(rows):
                     part_m[work, r] = np.nan if bad[r] else m[r]
                     part_l[work, r] = l[r]
                     for d in range(d_v):
                         part_acc[work, r, d] = acc[r, d]
-            else:
-                _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
+                if _count_done(chunks_done, item) < n_ch - 1:  # other chunks of the item are still running
+                    continue
+                chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
+            failures += _run(loops[acc_code, FINISH], (y, ints, desc, acc, l, bad, part_m, part_l, part_acc, b, hk,
+                                                       qt_index, rows, item * n_ch, chunks))
+    if failures:
+        raise RuntimeError(LOOP_FAILED)
 
 
 @jit(inline=True)
@@ -254,48 +280,6 @@ def _row_bounds(i, off, valid, causal, left, right):
     return lo, hi
 
 
-# -- scores: S = Q K^T -------------------------------------------------------------------
-
-
-@jit()
-def _scores(qt, kb, ko, kld, s, rows, n, use_blas, gemm_limit, gemm_fn, prefetch, loop):
-    """``s[:rows, :n] = qt K^T`` for the key rows at elements ``ko + j * kld``
-    of the raw bytes ``kb``, by the C function at ``loop``
-    (``format_loops``): BLAS for many rows (``use_blas``: ``qt``'s dtype
-    only, split to stay within ``gemm_limit``), else the loops of the keys'
-    format (four keys a pass), which take a narrow one too; ``prefetch``:
-    the keys ahead, where ``kb`` is the cache itself."""
-    if use_blas:
-        _run(loop, (qt, kb, s, ko, kld, rows, n, qt.shape[1], gemm_limit, gemm_fn))
-    else:
-        _run(loop, (qt, s, kb, ko, kld, rows, n, qt.shape[1], prefetch))
-
-
-# -- the value update: acc = alpha acc + P V ---------------------------------------------
-
-
-@jit()
-def _accumulate(p, vb, vo, vld, acc, alpha, rows, n, use_blas, skip_masked, gemm_limit, gemm_fn, prefetch, loop):
-    """``acc = alpha acc + p V`` per row, for the value rows at elements ``vo
-    + j * vld`` of the raw bytes ``vb``, by the C function at ``loop``, as
-    ``_scores``: BLAS (``acc``'s dtype only), or the loops of the values'
-    format (an FMA chain a key after another), which leave masked keys out
-    (weight ``-0.0``, see ``_exp``: a masked key's V may hold inf or NaN, and
-    0 * inf is NaN).  BLAS' product cannot, so ``skip_masked`` sends a tile
-    to the loops.  An attended key whose weight underflowed to ``+0.0``
-    counts in both, as in the reference."""
-    d_v = acc.shape[1]
-    for r in range(rows):
-        a = alpha[r]
-        if a != 1.0:
-            for d in range(d_v):
-                acc[r, d] *= a
-    if use_blas and not skip_masked:
-        _run(loop, (p, vb, acc, vo, vld, rows, n, d_v, gemm_limit, gemm_fn))
-    else:
-        _run(loop, (p, acc, vb, vo, vld, rows, n, d_v, prefetch))
-
-
 @jit()
 def _all_finite(flat, at, ld, n, width):
     """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
@@ -307,74 +291,6 @@ def _all_finite(flat, at, ld, n, width):
             x = flat[row + np.uint64(c)]
             total += x - x
     return total == 0
-
-
-# -- the output rows, and the merge of a split key range ---------------------------------
-
-
-@jit()
-def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
-    """``y = acc / l`` for the tile's rows: zeros where ``l == 0`` (nothing
-    attended), NaN where a NaN or +inf entered an attended score."""
-    group = ints[Q_HEADS] // ints[KV_HEADS]
-    nq = rows // group
-    i0 = qt_index * ints[BLOCK_Q]
-    for r in range(rows):
-        g, i = r // nq, r % nq
-        at = (desc[T_Y, BASE] + b * desc[T_Y, STRIDE_B] + (hk * group + g) * desc[T_Y, STRIDE_H]
-              + (i0 + i) * desc[T_Y, STRIDE_S])
-        inv = 0.0 if l[r] == 0.0 else 1.0 / l[r]
-        d_v, step = ints[V_HEAD_SIZE], desc[T_Y, STRIDE_D]
-        if step == 1:  # a loop LLVM vectorises (decode Hq=16 D=64: 0.27 us an item, strided)
-            row = y[at:at + d_v]
-            for d in range(d_v):
-                row[d] = np.nan if bad[r] else acc[r, d] * inv
-        else:
-            for d in range(d_v):
-                y[at + d * step] = np.nan if bad[r] else acc[r, d] * inv
-
-
-@jit()
-def attention_merge(first, stop, y, ints, desc, part_m, part_l, part_acc):
-    """Items ``first .. stop`` of a split call: combine each item's partial
-    softmaxes in chunk order -- ``m = max m_c``, ``l = sum l_c e^(m_c -
-    m)``, ``acc = sum acc_c e^(m_c - m)``; a chunk that saw a NaN (``m_c``
-    NaN) makes the row NaN.  (One function: an inlined helper for the item
-    cost 0.2 s of a cold call's compilation.)"""
-    n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
-    group = ints[Q_HEADS] // ints[KV_HEADS]
-    d_v, dt = ints[V_HEAD_SIZE], y.dtype
-    rows_max = group * ints[BLOCK_Q]
-    acc_all, l, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, dt), np.empty(rows_max, np.uint8)
-    for item in range(first, stop):
-        b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
-        hk, qt_index = rest // n_units, rest % n_units
-        nq = min(ints[BLOCK_Q], ints[Q_LEN] - qt_index * ints[BLOCK_Q])
-        rows = group * nq
-        acc = acc_all[:rows]
-        at = item * n_ch
-        for r in range(rows):
-            l[r], bad[r] = 0.0, 0
-            for d in range(d_v):
-                acc[r, d] = 0.0
-            m_all = -np.inf
-            for c in range(n_ch):
-                mc = part_m[at + c, r]
-                if mc != mc:
-                    bad[r] = 1
-                elif mc > m_all:
-                    m_all = mc
-            if bad[r] or m_all == -np.inf:
-                continue
-            for c in range(n_ch):
-                mc = part_m[at + c, r]
-                if mc == -np.inf:
-                    continue
-                w = _exp(mc - m_all)
-                l[r] += part_l[at + c, r] * w
-                for d in range(d_v):
-                    acc[r, d] += part_acc[at + c, r, d] * w
-        _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad)
 
 
 # -- compile-time facts ------------------------------------------------------------------

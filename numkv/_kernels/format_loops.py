@@ -29,10 +29,11 @@ from numba import carray, types
 from .._config import c_function, jit
 from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
 from .gemm import _gemm_accumulate, _gemm_scores
-from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32,
-                     F64, FORMAT_FIELDS, LOOP_FIELDS, N_CODES, SCORES, SOFTMAX, VALUES, WIDEN)
+from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
+                     F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
+                     TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
 from .simd import PREFETCH_KEYS, VECTOR_BYTES
-from .softmax import _softmax_tile
+from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
 
@@ -41,7 +42,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "1a6133ee99a6d2fa0d2c1ddc099810ba7243c0cf781ced490f768e0760a014a3"
+HELPERS_SHA256 = "0eba9be3779a74e4b1c9b4417d2786dcc8cf48a54c913bce112dc3ee50e6740e"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -55,14 +56,15 @@ _lock = threading.Lock()
 def loop_table(acc, layouts, widths, blas):
     """``TABLES[acc]`` with every function a call may make compiled
     (``addresses``), for its Q, past K, K, past V and V ``layouts``
-    (``(dtype code, element stride, row stride)`` each; ``widths``: the
-    K / V rows' elements) and whether its tiles take BLAS; remembered per
+    (``(dtype code, element stride, row stride)`` each, None for a tensor
+    without keys; ``widths``: the K / V rows' elements) and whether its
+    tiles take BLAS; remembered per
     layout, so a call whose plan is not kept pays one lookup (computing it
     cost 1.8 us)."""
     key = (acc, layouts, widths, blas)
     table = _tables.get(key)
     if table is None:
-        kv = [(*layout, width) for layout, width in zip(layouts[1:], widths)]
+        kv = [(*layout, width) for layout, width in zip(layouts[1:], widths) if layout is not None]
         table = addresses(acc, [code for code, *_ in kv], widened_codes(acc, layouts[0][0], kv, blas), blas)
         if len(_tables) >= 1024:
             _tables.clear()
@@ -81,7 +83,7 @@ def addresses(acc, kv_codes, widened, blas):
     rows).  Two threads may compile at once: each entry is written whole,
     under a lock."""
     acc_code = F64 if acc else F32
-    wanted = [(code, WIDEN) for code in widened] + [(acc_code, SOFTMAX), (acc_code, SCORES), (acc_code, VALUES)]
+    wanted = [(code, WIDEN) for code in widened] + [(acc_code, field) for field in (SOFTMAX, SCORES, VALUES, FINISH)]
     wanted += [(code, field) for code in kv_codes if acc == 0 and code in IN_PLACE for field in (SCORES, VALUES)]
     if blas:
         wanted += [(acc_code, BLAS_SCORES), (acc_code, BLAS_VALUES), (acc_code, BLAS_SOFTMAX)]
@@ -104,7 +106,7 @@ def widened_codes(acc, q_code, kv, blas):
     BLAS).  ``kv``: ``(code, element stride, row stride, row width)`` per
     tensor."""
     acc_code = F64 if acc else F32
-    codes = {q_code}
+    codes = {q_code} if q_code != acc_code else set()  # the kernel copies Q of the accumulation dtype
     for code, stride, row_stride, width in kv:
         in_place = stride == 1 and (row_stride >= width if code == acc_code
                                     else acc == 0 and not blas and code in IN_PLACE)
@@ -121,29 +123,29 @@ def _compile(acc, code, field):
     rows_ptr, bytes_ptr, i64 = types.CPointer(real), types.CPointer(types.uint8), types.int64
     ITEM_BYTES = 8 if acc else 4  # noqa: N806 (a constant of the functions: K / V arrive as bytes)
     if field == SCORES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
-        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch):
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
+        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn):
             _score_keys(carray(q, q_size), carray(s, s_size), carray(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
             return 1
         return scores
     if field == VALUES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64))
-        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch):
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
+        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn):
             _add_values(carray(p, p_size), carray(acc, acc_size), carray(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
             return 1
         return values
     if field == BLAS_SCORES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
-        def blas_scores(q, q_size, k, k_size, s, s_size, ko, kld, rows, n, d_k, gemm_limit, gemm_fn):
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
+        def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn):
             _gemm_scores(carray(q, (rows, d_k)), carray(k, k_size // ITEM_BYTES), ko, kld, carray(s, (rows, n)),
                          rows, n, gemm_limit, gemm_fn)
             return 1
         return blas_scores
     if field == BLAS_VALUES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64))
-        def blas_values(p, p_size, v, v_size, acc, acc_size, vo, vld, rows, n, d_v, gemm_limit, gemm_fn):
+        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
+        def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn):
             _gemm_accumulate(carray(p, (rows, n)), carray(v, v_size // ITEM_BYTES), vo, vld,
                              carray(acc, (rows, d_v)), rows, n, gemm_limit, gemm_fn)
             return 1
@@ -165,6 +167,25 @@ def _compile(acc, code, field):
                           carray(bad, bad_size), fast_sum)
             return 1
         return softmax
+    if field == FINISH:
+        ints_ptr, flags_ptr, columns = types.CPointer(i64), types.CPointer(types.uint8), len(TENSOR_FIELDS)
+
+        @c_function(types.int64(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, flags_ptr,
+                                i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64))
+        def finish(y, y_size, ints, ints_size, desc, desc_size, acc, acc_size, l, l_size, bad, bad_size, part_m,
+                   part_m_size, part_l, part_l_size, part_acc, part_acc_size, b, hk, qt_index, rows, at, chunks):
+            layout = carray(ints, ints_size)
+            d_v, rows_max = layout[V_HEAD_SIZE], layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
+            tile, sums, nan = carray(acc, (rows, d_v)), carray(l, l_size), carray(bad, bad_size)
+            if chunks:
+                _merge_chunks(carray(part_m, (part_m_size // rows_max, rows_max)),
+                              carray(part_l, (part_l_size // rows_max, rows_max)),
+                              carray(part_acc, (part_acc_size // (rows_max * d_v), rows_max, d_v)), at, chunks, rows,
+                              tile, sums, nan)
+            _write_rows(carray(y, y_size), layout, carray(desc, (desc_size // columns, columns)), b, hk, qt_index,
+                        rows, tile, sums, nan)
+            return 1
+        return finish
     fields = len(FORMAT_FIELDS)
 
     @c_function(types.int64(rows_ptr, i64, bytes_ptr, i64, types.CPointer(types.float32), i64,

@@ -73,7 +73,9 @@ del _code, _row
 # rows of it into a tile (``widen``); in the row of the accumulation dtype
 # itself, BLAS' products over tiles (``blas_scores``, ``blas_values``) and
 # the softmax of a tile of scores, for the loops and for BLAS (``softmax``,
-# ``blas_softmax``); 0 where not compiled (never called).
-LOOP_FIELDS = ("scores", "values", "widen", "blas_scores", "blas_values", "softmax", "blas_softmax")
-SCORES, VALUES, WIDEN, BLAS_SCORES, BLAS_VALUES, SOFTMAX, BLAS_SOFTMAX = range(len(LOOP_FIELDS))
+# ``blas_softmax``), and the output rows ``y = acc / l``, after merging a
+# split key range's partial softmaxes (``finish``); 0 where not compiled
+# (never called).
+LOOP_FIELDS = ("scores", "values", "widen", "blas_scores", "blas_values", "softmax", "blas_softmax", "finish")
+SCORES, VALUES, WIDEN, BLAS_SCORES, BLAS_VALUES, SOFTMAX, BLAS_SOFTMAX, FINISH = range(len(LOOP_FIELDS))
 N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)

@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "16883ae53a5abe3c94935a637ae99d7c0e7efe9e88d4cb569676504e60e0c950"
+HELPERS_SHA256 = "2fcd2e0e3bdfbe7cbfab3a527aab1881187160611431a78f9ca95197875fcbc7"
 
 
 @jit()

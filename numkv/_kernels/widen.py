@@ -40,7 +40,8 @@ from .cpu import has_f16c, has_vbmi
 from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, INFNAN_EM, INT4, INT8, NAN_BITS, NAN_EM, NONE,
                      Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D, STRIDE_H,
                      STRIDE_S, WIDEN)
-from .simd import _BYTES, PREFETCH_KEYS, _as_i32, _broadcast, _float32_from_bits, _prefetch, _run, _splat, _view
+from .simd import (_BYTES, PREFETCH_KEYS, _as_flat, _as_i32, _as_rows, _broadcast, _float32_from_bits, _prefetch, _run,
+                   _splat, _view)
 
 
 # -- bits -> float32, in IR --------------------------------------------------------------
@@ -370,8 +371,9 @@ def _widen_rows_of(loops, dst, r0, n, width, buf, code, base, seq_stride, stride
     """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
     ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
     dtype, by that format's C function (``format_loops``: ``_prefetch_rows``,
-    then its ``_rows_*`` loop), at ``loops[code, WIDEN]``."""
-    _run(loops[code, WIDEN], (dst, buf, table, formats, r0, n, width, base, seq_stride, stride))
+    then its ``_rows_*`` loop), at ``loops[code, WIDEN]``; 1 where that
+    failed (``simd._run``), else 0."""
+    return _run(loops[code, WIDEN], (dst, buf, table, formats, r0, n, width, base, seq_stride, stride))
 
 
 @jit(inline=True)
@@ -524,7 +526,7 @@ def _rows_quantized(dst, r0, n, width, buf, code, base, seq_stride, stride, tabl
     row one by one.  (A numba loop over a block with unsigned indices: 13
     ns a row of 128 q8_0 codes; with the literal 32 LLVM unrolled it and
     left it scalar, 57 ns.)"""
-    out = dst.reshape(dst.size)
+    out = _as_flat(dst)
     codes = _view(buf, np.int8)  # (out of the loops: a view made in them cost a reference count a row)
     w = np.uint64(width)
     blocks = width // QUANT_BLOCK
@@ -565,20 +567,20 @@ def _tile_origin(j0, b, hk, desc, t):
 @jit(inline=True)
 def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, loops, acc_code, narrow):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(bytes,
-    at, ld, code, in_place)``: key ``j``'s row is the ``width`` elements of
-    dtype ``code`` from element ``at + j * ld`` of ``bytes``.  The buffer
-    itself where it holds unit-stride rows of the accumulation dtype, or
-    (``narrow``: the loops read it) of an ``IN_PLACE`` dtype; else
+    at, ld, code, in_place, failed)``: key ``j``'s row is the ``width``
+    elements of dtype ``code`` from element ``at + j * ld`` of ``bytes``.
+    The buffer itself where it holds unit-stride rows of the accumulation
+    dtype, or (``narrow``: the loops read it) of an ``IN_PLACE`` dtype; else
     ``scratch``, whose accumulation-dtype view ``tile`` is filled by
-    widening."""
+    widening (``failed``: 1 where that failed, ``simd._run``)."""
     base, seq_stride = _tile_origin(j0, b, hk, desc, t)
     code = desc[t, DTYPE]
     if desc[t, STRIDE_D] == 1:
         if code == acc_code and (seq_stride >= width or n == 1):
-            return buf, base, max(seq_stride, width), code, True
+            return buf, base, max(seq_stride, width), code, True, 0
         if narrow and code in IN_PLACE_CODES:
-            return buf, base, seq_stride, code, True
+            return buf, base, seq_stride, code, True, 0
     first_row = j0 - j0  # an int64, not the literal 0
-    _widen_rows_of(loops, tile[:n * width].reshape((n, width)), first_row, n, width, buf, code, base,
-                   seq_stride, desc[t, STRIDE_D], table, formats)
-    return scratch, first_row, width, acc_code, False
+    failed = _widen_rows_of(loops, _as_rows(tile[:n * width], width), first_row, n, width, buf, code, base,
+                            seq_stride, desc[t, STRIDE_D], table, formats)
+    return scratch, first_row, width, acc_code, False, failed
