@@ -118,7 +118,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "2e23d3513e5b4fe777d3495981e408fd9ddb7b0fe85f5fda30e03d2984426203"
+HELPERS_SHA256 = "c1e49c8cb139f4d421c1bd26420e597d4908318f8f5ab7316d1969f4e2323f16"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -158,7 +158,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     ktile, vtile = _view(kbuf, y), _view(vbuf, y)
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
-    acc_all, bad = np.empty((rows_max, d_v), dt), np.empty(rows_max, np.uint8)  # bad: 1 where NaN
+    # (a 2-D np.empty would compile a function of its own: 0.05 s)
+    acc_all, bad = _as_rows(np.empty(rows_max * d_v, dt), d_v), np.empty(rows_max, np.uint8)  # bad: 1 where NaN
     claiming = counter.size > 0
     failures = 0  # C function calls that did not finish (``simd._run``)
     for index in range(first, stop):
@@ -225,29 +226,30 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         s = _as_rows(sbuf[:rows * n], n)
                         kr, ko, kld, kcode, k_in_place, failed = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
                                                                   desc, tk, table, formats, loops, acc_code, narrow)
+                        edge = has_mask  # some key of the tile is masked for some row
+                        for i in range(nq):
+                            edge |= lo[i] > j0 or hi[i] < j0 + n - 1
                         # s = Q K^T: BLAS for many rows, else the loops of K's format.
                         failures += failed + _run(
                             loops[acc_code, BLAS_SCORES] if use_blas else loops[kcode, SCORES],
-                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, ints[GEMM_LIMIT], ints[GEMM_FN]))
-                        edge = has_mask
-                        for i in range(nq):
-                            edge |= lo[i] > j0 or hi[i] < j0 + n - 1
-                        failures += _run(loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],  # _softmax_tile
-                                         (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
-                               desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
-                               score_scale))
+                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, ints[GEMM_LIMIT], ints[GEMM_FN], edge, 0))
+                        failures += _run(  # softmax._softmax_tile
+                            loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],
+                            (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base, desc[T_MASK, STRIDE_S],
+                             desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap, score_scale))
                         vr, vo, vld, vcode, v_in_place, failed = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
                                                                   desc, tv, table, formats, loops, acc_code, narrow)
-                        # Only BLAS' product needs masked keys' V finite (``_accumulate``).
-                        skip_masked = use_blas and edge and not _all_finite(_view(vr, y), vo, vld, n, d_v)
                         for r in range(rows):
                             a = alpha[r]
                             if a != 1.0:
                                 for d in range(d_v):
                                     acc[r, d] *= a
+                        # acc += P V: BLAS (which hands a tile whose masked keys' V is not
+                        # finite to the loops), else the loops of V's format.
                         failures += failed + _run(
-                            loops[acc_code, BLAS_VALUES] if use_blas and not skip_masked else loops[vcode, VALUES],
-                            (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, ints[GEMM_LIMIT], ints[GEMM_FN]))
+                            loops[acc_code, BLAS_VALUES] if use_blas else loops[vcode, VALUES],
+                            (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, ints[GEMM_LIMIT], ints[GEMM_FN], edge,
+                             loops[acc_code, VALUES]))
 
             chunks = 0  # unsplit: Y's rows from acc and l
             if split:
@@ -278,19 +280,6 @@ def _row_bounds(i, off, valid, causal, left, right):
     if left >= 0 and pos - left > lo:
         lo = pos - left
     return lo, hi
-
-
-@jit()
-def _all_finite(flat, at, ld, n, width):
-    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
-    (``x - x`` is 0 only then)."""
-    total = flat.dtype.type(0.0)
-    for j in range(n):
-        row = np.uint64(at + j * ld)
-        for c in range(width):
-            x = flat[row + np.uint64(c)]
-            total += x - x
-    return total == 0
 
 
 # -- compile-time facts ------------------------------------------------------------------

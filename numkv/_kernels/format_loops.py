@@ -32,7 +32,7 @@ from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
                      F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
-from .simd import PREFETCH_KEYS, VECTOR_BYTES
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
@@ -121,33 +121,50 @@ def _compile(acc, code, field):
     the loops emit that format's code only."""
     real = types.float64 if acc else types.float32
     rows_ptr, bytes_ptr, i64 = types.CPointer(real), types.CPointer(types.uint8), types.int64
-    ITEM_BYTES = 8 if acc else 4  # noqa: N806 (a constant of the functions: K / V arrive as bytes)
+    # The products' arguments: the left operand (Q, or the weights P), the
+    # scores or the accumulators, the K or V bytes, where the rows start and
+    # lie apart, the rows, the keys, the row width, whether to prefetch
+    # (the cache itself), BLAS' split and function, whether some key of the
+    # tile is masked, and the loops' C function of the accumulation dtype.
+    PRODUCT_ARGS = (rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, *[i64] * 10)  # noqa: N806
     if field == SCORES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
-        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn):
+        @c_function(types.int64(*PRODUCT_ARGS))
+        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
+                   loop):
             _score_keys(carray(q, q_size), carray(s, s_size), carray(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
             return 1
         return scores
     if field == VALUES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
-        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn):
+        @c_function(types.int64(*PRODUCT_ARGS))
+        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
+                   loop):
             _add_values(carray(p, p_size), carray(acc, acc_size), carray(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
             return 1
         return values
     if field == BLAS_SCORES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
-        def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn):
-            _gemm_scores(carray(q, (rows, d_k)), carray(k, k_size // ITEM_BYTES), ko, kld, carray(s, (rows, n)),
-                         rows, n, gemm_limit, gemm_fn)
+        @c_function(types.int64(*PRODUCT_ARGS))
+        def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
+                        loop):
+            queries = carray(q, (rows, d_k))
+            _gemm_scores(queries, _view(carray(k, k_size), queries), ko, kld, carray(s, (rows, n)), rows, n, gemm_limit,
+                         gemm_fn)
             return 1
         return blas_scores
     if field == BLAS_VALUES:
-        @c_function(types.int64(rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64))
-        def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn):
-            _gemm_accumulate(carray(p, (rows, n)), carray(v, v_size // ITEM_BYTES), vo, vld,
-                             carray(acc, (rows, d_v)), rows, n, gemm_limit, gemm_fn)
+        @c_function(types.int64(*PRODUCT_ARGS))
+        def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
+                        loop):
+            weights, sums, raw = carray(p, (rows, n)), carray(acc, (rows, d_v)), carray(v, v_size)
+            values = _view(raw, weights)
+            # BLAS' product cannot leave masked keys out (0 * inf is NaN):
+            # where the tile has some and its V is not all finite, the loops
+            # (at ``loop``) take it.
+            if edge and not _all_finite(values, vo, vld, n, d_v):
+                return 1 - _run(loop, (weights, sums, raw, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
+                                       loop))
+            _gemm_accumulate(weights, values, vo, vld, sums, rows, n, gemm_limit, gemm_fn)
             return 1
         return blas_values
     if field in (SOFTMAX, BLAS_SOFTMAX):
@@ -220,6 +237,19 @@ def _compile(acc, code, field):
             _rows_quantized(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
         return 1
     return widen
+
+
+@jit(inline=True)
+def _all_finite(flat, at, ld, n, width):
+    """Whether the ``n`` rows ``flat[at + j * ld:][:width]`` are all finite
+    (``x - x`` is 0 only then)."""
+    total = flat.dtype.type(0.0)
+    for j in range(n):
+        row = np.uint64(at + j * ld)
+        for c in range(width):
+            x = flat[row + np.uint64(c)]
+            total += x - x
+    return total == 0
 
 
 # -- scores: s = Q K^T -------------------------------------------------------------------
