@@ -118,7 +118,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "c1e49c8cb139f4d421c1bd26420e597d4908318f8f5ab7316d1969f4e2323f16"
+HELPERS_SHA256 = "3fca8da58b22b18c76299927589412d8199e519f3a5b21bc1a42ef1e826313f1"
 
 
 # -- work items --------------------------------------------------------------------------

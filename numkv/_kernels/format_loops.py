@@ -24,7 +24,7 @@ import math
 import threading
 
 import numpy as np
-from numba import carray, types
+from numba import types
 
 from .._config import c_function, jit
 from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
@@ -32,7 +32,7 @@ from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
                      F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
-from .simd import PREFETCH_KEYS, VECTOR_BYTES, _run, _view
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
@@ -42,7 +42,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "0eba9be3779a74e4b1c9b4417d2786dcc8cf48a54c913bce112dc3ee50e6740e"
+HELPERS_SHA256 = "c23957c5c68cf734c9dfcf617c792f6d8bb9c19c269ff5e6ff1b0b9251faa1e9"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -131,7 +131,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
                    loop):
-            _score_keys(carray(q, q_size), carray(s, s_size), carray(k, k_size), ko, kld, rows, n, d_k,
+            _score_keys(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
             return 1
         return scores
@@ -139,7 +139,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
                    loop):
-            _add_values(carray(p, p_size), carray(acc, acc_size), carray(v, v_size), vo, vld, rows, n, d_v,
+            _add_values(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
             return 1
         return values
@@ -147,16 +147,17 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
                         loop):
-            queries = carray(q, (rows, d_k))
-            _gemm_scores(queries, _view(carray(k, k_size), queries), ko, kld, carray(s, (rows, n)), rows, n, gemm_limit,
-                         gemm_fn)
+            queries = _as_rows(_array(q, rows * d_k), d_k)
+            _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _as_rows(_array(s, rows * n), n), rows, n,
+                         gemm_limit, gemm_fn)
             return 1
         return blas_scores
     if field == BLAS_VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
         def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
                         loop):
-            weights, sums, raw = carray(p, (rows, n)), carray(acc, (rows, d_v)), carray(v, v_size)
+            weights, sums = _as_rows(_array(p, rows * n), n), _as_rows(_array(acc, rows * d_v), d_v)
+            raw = _array(v, v_size)
             values = _view(raw, weights)
             # BLAS' product cannot leave masked keys out (0 * inf is NaN):
             # where the tile has some and its V is not all finite, the loops
@@ -178,10 +179,10 @@ def _compile(acc, code, field):
         def softmax(s, s_size, lo, lo_size, hi, hi_size, mask, mask_size, m, m_size, l, l_size, alpha, alpha_size,
                     bad, bad_size, rows, n, nq, j0, edge, mask_base, stride_i, stride_j, stride_g, softcap,
                     score_scale):
-            _softmax_tile(carray(s, (rows, n)), rows, n, nq, j0, carray(lo, lo_size), carray(hi, hi_size), edge != 0,
-                          carray(mask, mask_size), mask_base, stride_i, stride_j, stride_g, as_real(softcap),
-                          as_real(score_scale), carray(m, m_size), carray(l, l_size), carray(alpha, alpha_size),
-                          carray(bad, bad_size), fast_sum)
+            _softmax_tile(_as_rows(_array(s, rows * n), n), rows, n, nq, j0, _array(lo, lo_size), _array(hi, hi_size),
+                          edge != 0, _array(mask, mask_size), mask_base, stride_i, stride_j, stride_g, as_real(softcap),
+                          as_real(score_scale), _array(m, m_size), _array(l, l_size), _array(alpha, alpha_size),
+                          _array(bad, bad_size), fast_sum)
             return 1
         return softmax
     if field == FINISH:
@@ -191,16 +192,14 @@ def _compile(acc, code, field):
                                 i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64))
         def finish(y, y_size, ints, ints_size, desc, desc_size, acc, acc_size, l, l_size, bad, bad_size, part_m,
                    part_m_size, part_l, part_l_size, part_acc, part_acc_size, b, hk, qt_index, rows, at, chunks):
-            layout = carray(ints, ints_size)
+            layout = _array(ints, ints_size)
             d_v, rows_max = layout[V_HEAD_SIZE], layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
-            tile, sums, nan = carray(acc, (rows, d_v)), carray(l, l_size), carray(bad, bad_size)
+            tile, sums, nan = _as_rows(_array(acc, rows * d_v), d_v), _array(l, l_size), _array(bad, bad_size)
             if chunks:
-                _merge_chunks(carray(part_m, (part_m_size // rows_max, rows_max)),
-                              carray(part_l, (part_l_size // rows_max, rows_max)),
-                              carray(part_acc, (part_acc_size // (rows_max * d_v), rows_max, d_v)), at, chunks, rows,
-                              tile, sums, nan)
-            _write_rows(carray(y, y_size), layout, carray(desc, (desc_size // columns, columns)), b, hk, qt_index,
-                        rows, tile, sums, nan)
+                _merge_chunks(_array(part_m, part_m_size), _array(part_l, part_l_size), _array(part_acc, part_acc_size),
+                              rows_max, at, chunks, rows, tile, sums, nan)
+            _write_rows(_array(y, y_size), layout, _as_rows(_array(desc, desc_size), columns), b, hk, qt_index, rows,
+                        tile, sums, nan)
             return 1
         return finish
     fields = len(FORMAT_FIELDS)
@@ -209,10 +208,10 @@ def _compile(acc, code, field):
                             types.CPointer(types.int64), i64, i64, i64, i64, i64, i64, i64))
     def widen(dst, dst_size, buf, buf_size, table, table_size, formats, formats_size, r0, n, width, base,
               seq_stride, stride):
-        raw = carray(buf, buf_size)
+        raw = _array(buf, buf_size)
         _prefetch_rows(raw, code, n, width, base, seq_stride, stride)
-        out, lut = carray(dst, (dst_size // width, width)), carray(table, table_size)
-        fmt = carray(formats, (formats_size // fields, fields))
+        out, lut = _as_rows(_array(dst, dst_size), width), _array(table, table_size)
+        fmt = _as_rows(_array(formats, formats_size), fields)
         # The tile loop of the format: numba prunes the other branches (``code``
         # is a constant here) before it inlines their loops, so one is compiled
         # (one branch chosen inside an inlined function compiled all nine:

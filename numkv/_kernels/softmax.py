@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "ce596499b1864cb03aa5b7819282150870e9e4361ffe0bcb32cb7e0cb0e54897"
+HELPERS_SHA256 = "7381999d0da19d7eaf359a6609452335ed85a057ee88276dc3818dcdbfcefbd3"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -87,11 +87,14 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
 
 
 @jit(inline=True)
-def _merge_chunks(part_m, part_l, part_acc, at, chunks, rows, acc, l, bad):
+def _merge_chunks(part_m, part_l, part_acc, width, at, chunks, rows, acc, l, bad):
     """``acc``, ``l`` and ``bad`` of the ``rows`` rows from the partial
     softmaxes ``at .. at + chunks`` of a split key range, in chunk order --
     ``m = max m_c``, ``l = sum l_c e^(m_c - m)``, ``acc = sum acc_c e^(m_c -
-    m)``; a chunk that saw a NaN (``m_c`` NaN) makes the row NaN."""
+    m)``; a chunk that saw a NaN (``m_c`` NaN) makes the row NaN.  Partial
+    ``p`` holds row ``r``'s ``m`` and ``l`` at ``p * width + r`` of the flat
+    ``part_m`` and ``part_l``, and its accumulator from ``(p * width + r) *
+    d_v`` of ``part_acc``."""
     d_v = acc.shape[1]
     for r in range(rows):
         l[r], bad[r] = 0.0, 0
@@ -99,7 +102,7 @@ def _merge_chunks(part_m, part_l, part_acc, at, chunks, rows, acc, l, bad):
             acc[r, d] = 0.0
         m_all = -np.inf
         for c in range(chunks):
-            mc = part_m[at + c, r]
+            mc = part_m[(at + c) * width + r]
             if mc != mc:
                 bad[r] = 1
             elif mc > m_all:
@@ -107,13 +110,14 @@ def _merge_chunks(part_m, part_l, part_acc, at, chunks, rows, acc, l, bad):
         if bad[r] or m_all == -np.inf:
             continue
         for c in range(chunks):
-            mc = part_m[at + c, r]
+            at_row = (at + c) * width + r
+            mc = part_m[at_row]
             if mc == -np.inf:
                 continue
             w = _exp(mc - m_all)
-            l[r] += part_l[at + c, r] * w
+            l[r] += part_l[at_row] * w
             for d in range(d_v):
-                acc[r, d] += part_acc[at + c, r, d] * w
+                acc[r, d] += part_acc[at_row * d_v + d] * w
 
 
 @jit(inline=True)

@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "2fcd2e0e3bdfbe7cbfab3a527aab1881187160611431a78f9ca95197875fcbc7"
+HELPERS_SHA256 = "94474163c34949439eb95c9dfbe00cb54f0be279c0d05efa3f8d3be7362ef536"
 
 
 @jit()
