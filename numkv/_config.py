@@ -108,7 +108,7 @@ def jit(reassociate=False, contract=False, inline=False):
 def c_function(signature, contract=False):
     """A ``numba.cfunc`` of ``signature`` (compiled now, kept in the disk
     cache as ``jit``'s kernels are): a function jitted code calls by its
-    address (``_kernels.simd._call``), compiled on its own; ``contract`` as
+    address (``_kernels.simd._run``), compiled on its own; ``contract`` as
     ``jit``'s.  Where it really compiles (not on a disk-cache load) it fires
     numba's ``"numba:compile"`` event, as a jitted kernel does, which numba
     does not for a cfunc: the command line's compile notice and ``warmup``

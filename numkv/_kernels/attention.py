@@ -1,8 +1,8 @@
 """Blocked attention with an online softmax (ONNX Attention, opsets 23-25):
-the algorithm, top-down -- work items (``attention_items``), scores
-(``_scores``), the softmax of a tile (``softmax._softmax_tile``), the value
-update (``_accumulate``), the output rows (``_write_rows``), the merge of a
-split key range (``attention_merge``).
+the algorithm, top-down, in one kernel (``attention_items``): a work item's
+tiles of keys -- scores, the softmax of a tile (``softmax._softmax_tile``),
+the value update -- and its output rows (``softmax._write_rows``), after
+merging a split key range (``softmax._merge_chunks``).
 
 Named dims: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G =
 Hq // Hkv`` query heads per kv head, ``Sq`` queries, ``P`` past keys, ``T = P +
@@ -19,15 +19,18 @@ The modules beside this one, each imported only by those above it::
     decode_loops  decode's fused loops: four keys' dot products, value runs
     format_loops  the C functions this kernel calls by address, compiled on
                   demand: each format's loops and widening, BLAS' products,
-                  the softmax
+                  the softmax, the merge and output rows
 
-Compilation.  The loops that depend on a K/V format, and the BLAS and
-softmax steps, are C functions of their own (``format_loops``), compiled
-when a call first needs them and called through ``loops``, a table of their
-addresses, once per tile: this kernel compiles once per accumulation dtype
-and a new format adds only its own loops (a cold float32 decode call: 10.1
-CPU s with every format's loops compiled in, 5.5 now; see
-docs/compile-time.md).
+Compilation.  The loops that depend on a K/V format, and the BLAS,
+softmax and output steps, are C functions of their own (``format_loops``),
+compiled when a call first needs them and called through ``loops``, a table
+of their addresses, once per tile (``simd._run``): this kernel compiles once
+per accumulation dtype and a new format adds only its own loops.  A call
+that did not finish (an exception in a C function, printed; a table entry
+left 0) is counted, and the kernel raises once, at its end: numba lowers
+each ``raise`` apart, and one per call site cost ~0.8 s of compilation.  (A
+cold float32 decode call: 10.1 CPU s with every format's loops compiled in,
+~4 now; see docs/compile-time.md.)
 
 Inputs.  Q, the past and new K and V arrive as flat byte buffers, each with a
 row of ``desc`` (``TENSOR_FIELDS``): a base offset and ``(b, h, s, d)``
@@ -54,9 +57,9 @@ their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take BLAS ``gemm`` (``gemm._gemm``): whole where BLAS runs on one
 thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
 single-thread size); few rows (decode) take loops that score four rows
-against four keys per pass (``_scores``, ``format_loops._score_keys``) and
-add a run of keys' values to four rows at a time, their accumulators held in
-registers over the run (``_accumulate``, ``format_loops._add_values``).
+against four keys per pass (``format_loops._score_keys``) and add a run of
+keys' values to four rows at a time, their accumulators held in registers
+over the run (``format_loops._add_values``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -68,7 +71,8 @@ windows and valid lengths; the additive mask applies inside it.  Only tiles
 that cross an interval's end, or meet the mask, take the masked path; tiles
 outside every row's interval are never loaded.  Masking *sets* ``-inf`` (it
 never adds to the score), its weight is ``-0.0``, and ``P V`` leaves such keys
-out whenever a tile's V holds a non-finite value: an excluded key never
+out whenever a tile's V holds a non-finite value (BLAS' product hands such a
+tile to the loops, which leave them out): an excluded key never
 influences Y, whatever its K or V hold.  A NaN or ``+inf`` among the
 attended scores makes the row NaN (as the reference's softmax does), wherever
 the key sits.
@@ -80,8 +84,9 @@ Parallel strategy: ``attention_items(first, stop, ...)`` computes work items
 ``(t, n_tiles - 1 - t)``: causal tiles cost in proportion to their index, so
 every pair costs the same.  Few query tiles
 (decode) split the key range into chunks instead, of a length set by the
-shapes only; ``attention_merge`` then combines the partial softmaxes in chunk
-order, so results do not depend on the thread count.
+shapes only; the thread that finishes an item's last chunk merges their
+partial softmaxes in chunk order, so results do not depend on the thread
+count.
 
 numba's disk cache notices edits to a kernel's own file only, and the
 kernels here compile the helpers of the modules above into themselves:
@@ -93,7 +98,7 @@ file, so numba recompiles.
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
 -1), tiles >= 1, ``Hq % Hkv == 0``, the partial buffers hold ``n_items *
-n_chunks`` entries when split.
+n_chunks`` entries and ``chunks_done`` ``n_items`` zeros when split.
 """
 
 import numpy as np
@@ -118,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "3fca8da58b22b18c76299927589412d8199e519f3a5b21bc1a42ef1e826313f1"
+HELPERS_SHA256 = "56960705fce23dbc7d9ac122700c4243852c8e5ee569278f017bd22dec3069e4"
 
 
 # -- work items --------------------------------------------------------------------------

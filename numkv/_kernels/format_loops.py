@@ -1,9 +1,11 @@
 """The loops of one K/V format at a time, compiled when a call first reads
-that format and called by address (``simd._call``): decode's scoring of
+that format and called by address (``simd._run``): decode's scoring of
 query rows against keys (``_score_keys``, four keys a pass,
 ``decode_loops._dots``) and adding of keys' values to the rows'
-accumulators (``_add_values``, ``decode_loops._axpy``), and the widening of
-rows into tiles (``widen``'s ``_rows_*`` loops).
+accumulators (``_add_values``, ``decode_loops._axpy``), the widening of
+rows into tiles (``widen``'s ``_rows_*`` loops); and, per accumulation
+dtype, BLAS' products, the softmax of a tile and the output rows
+(``softmax``).
 
 Why apart from the kernel: compiled into it, every format's loops were
 compiled on every first call -- float32's with those of the eight narrow,
@@ -17,7 +19,9 @@ runs.  The kernel makes one call per tile of keys, so the call costs
 nothing measurable; the loops' machine code is what it was inside the
 kernel.  Each function returns 1 when done: a numba C function that an
 exception stops (an index out of bounds under ``NUMBA_BOUNDSCHECK``) prints
-it and returns 0, and the kernel raises then (``simd._run``).
+it and returns 0, and the kernel raises then (``simd._run``).  Their arrays
+arrive as pointers and sizes, seen as arrays through ``simd._array`` (not
+``numba.carray``, which compiles a function per pointer and shape type).
 """
 
 import math
@@ -42,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "c23957c5c68cf734c9dfcf617c792f6d8bb9c19c269ff5e6ff1b0b9251faa1e9"
+HELPERS_SHA256 = "5ed2f43d014b295aae8180c313506515d4d25a6b68d271a88b329daf6d7d81e6"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

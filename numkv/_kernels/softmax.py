@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "7381999d0da19d7eaf359a6609452335ed85a057ee88276dc3818dcdbfcefbd3"
+HELPERS_SHA256 = "98dab73bdf19e2daa11ef7bfe405b0c3315bc7942edc2241a9d8b83ffe10d160"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
