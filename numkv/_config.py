@@ -29,24 +29,29 @@ class _GCPause:
     (2-core EPYC).  Nested pauses (a kernel compiling its callees) restore
     it at the outermost end.  Used as a context manager (``c_function``) and
     as a listener of numba's compile events (``jit``'s kernels: installed
-    with the first)."""
+    with the first).  A collector the user turned off stays off."""
 
-    depth, was_enabled = 0, False
+    def __init__(self):
+        import threading
+
+        self.depth, self.was_enabled, self._lock = 0, False, threading.Lock()
 
     def __enter__(self):
         import gc
 
-        if self.depth == 0:
-            self.was_enabled = gc.isenabled()
-            gc.disable()
-        self.depth += 1
+        with self._lock:  # (two threads may compile at once: numkv's C functions, another kernel)
+            if self.depth == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.depth += 1
 
     def __exit__(self, *exc):
         import gc
 
-        self.depth -= 1
-        if self.depth == 0 and self.was_enabled:
-            gc.enable()
+        with self._lock:
+            self.depth -= 1
+            if self.depth == 0 and self.was_enabled:
+                gc.enable()
 
     def listen(self):
         from numba.core import event

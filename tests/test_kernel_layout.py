@@ -182,3 +182,50 @@ def test_a_c_function_that_stops_on_an_exception_makes_its_caller_raise():
         call(out_of_bounds.address, np.zeros(4, np.float32))
     with pytest.raises(RuntimeError, match="was not compiled"):  # a table entry left 0
         call(0, x)
+
+
+def test_the_cycle_collector_is_paused_while_numkv_compiles_and_restored(monkeypatch):
+    """``_config._GCPause``: off from the outermost compile of a numkv function
+    to its end, then as it was -- on, or off where the user turned it off."""
+    import gc
+    import types as pytypes
+
+    from numba.core import event
+
+    from numkv import _config
+
+    seen = []
+
+    class Spy(event.Listener):
+        def on_start(self, ev):
+            if _config._is_numkv(ev):
+                seen.append(gc.isenabled())
+
+        def on_end(self, ev):
+            pass
+
+    def add_one(x):
+        return x + 1
+
+    monkeypatch.setattr(_config, "CACHE", False)  # (a function made here has no module file to cache by)
+    spy = Spy()
+    event.register("numba:compile", spy)
+    try:
+        for user_enabled in (True, False):
+            (gc.enable if user_enabled else gc.disable)()
+            module = pytypes.FunctionType(add_one.__code__, {}, "add_one")
+            module.__module__ = "numkv.test_only"  # a numkv function, compiled fresh each time
+            kernel = _config.jit()(module)
+            assert kernel(1.0 if user_enabled else 1) in (2, 2.0)
+            assert gc.isenabled() == user_enabled
+    finally:
+        gc.enable()
+        event.unregister("numba:compile", spy)
+    assert seen and not any(seen)
+
+    pause = _config._GCPause()
+    with pause:
+        with pause:
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "56960705fce23dbc7d9ac122700c4243852c8e5ee569278f017bd22dec3069e4"
+HELPERS_SHA256 = "ba0993e1c967f7c2f213eeae7b362cb3536fb0501c0832f1eca8b5cb3335a17a"
 
 
 # -- work items --------------------------------------------------------------------------

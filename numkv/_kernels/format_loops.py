@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "5ed2f43d014b295aae8180c313506515d4d25a6b68d271a88b329daf6d7d81e6"
+HELPERS_SHA256 = "9358e31552391e49486596ca77620532b0ce6dab1f1c7bd7766e62b9e2b7e7ae"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

@@ -15,7 +15,7 @@ from .simd import _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "67fdcf4e2404e06dc6674d41e0560f76ebfe121d54974a496e3f6e0d926c09cd"
+HELPERS_SHA256 = "169956fe86e16c959cc55fc818efd4ddab3e88869c549191e57cd00f377b55eb"
 
 CHUNK = 1 << 16  # elements a work item
 

@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "98dab73bdf19e2daa11ef7bfe405b0c3315bc7942edc2241a9d8b83ffe10d160"
+HELPERS_SHA256 = "c5fa345e77823babea90e468a6f125977090c05e0e86264bd7670455901b7d42"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,

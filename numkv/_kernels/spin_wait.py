@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "d5204bd97b0b6a3f7d4b7b412e5298499f78f3b6acbc263d397541bd61e66eab"
+HELPERS_SHA256 = "e8446dc46bbf82dce591800aaf42d075927accbc59c0cbc4786a6c47f3888178"
 
 
 @jit()
