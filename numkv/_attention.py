@@ -365,23 +365,24 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     # A QuantizedArray is read as its storage's bytes (``layout.QUANT_FORMATS``);
     # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
     q = folded_query(call.q, call.k, call.acc_dtype)
-    for arr in (q, call.past_k, call.k, call.past_v, call.v):
+    size = call.acc_dtype.itemsize
+    for t, (arr, width) in enumerate(((q, d), (call.past_k, d), (call.k, d), (call.past_v, dv), (call.v, dv))):
         flat, base, strides = byte_operand(kernel_array(arr))
         inputs.append(flat)
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
-        desc += (base, *strides, code)
+        in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_blas)
+        desc += (base, *strides, code, int(in_place))
         # dtype, element and row strides: which loops it needs (none for K / V without keys, never read)
-        layouts.append((code, strides[3], strides[2]) if arr is q or arr.shape[2] else None)
-    size = call.acc_dtype.itemsize
+        layouts.append((code, strides[3], strides[2]) if t == kernels.T_Q or arr.shape[2] else None)
     if call.mask is None:
         inputs.append(_NO_MASK[size])
         desc += _NO_MASK_ROW
     else:
         flat, base, strides = flat_view(call.mask, call.acc_dtype)
         inputs.append(flat)
-        desc += (base, *strides, 0)
-    desc += (0, *[s // size for s in y4.strides], 0)  # Y: new and contiguous, y4 starts where y does
+        desc += (base, *strides, 0, 0)
+    desc += (0, *[s // size for s in y4.strides], 0, 0)  # Y: new and contiguous, y4 starts where y does
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     n_items, rows = b * hkv * n_units, group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
@@ -492,7 +493,7 @@ def _scale_factors(scale, dtype):
 # softmaxes of a call whose keys are not split, the counter of a call whose
 # items are not claimed.
 _NO_MASK = {4: np.zeros(1, np.float32), 8: np.zeros(1, np.float64)}
-_NO_MASK_ROW = (0, 0, 0, 0, 0, 0)
+_NO_MASK_ROW = (0, 0, 0, 0, 0, 0, 0)
 _NO_PARTS = {n: (np.zeros((1, 1), dtype), np.zeros((1, 1, 1), dtype))
              for n, dtype in ((4, np.float32), (8, np.float64))}
 _NO_COUNTER = np.zeros(0, np.int64)

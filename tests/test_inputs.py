@@ -344,6 +344,15 @@ def test_a_non_native_query_says_what_to_do():
 # -- read-only arrays, empty lists --
 
 
+@pytest.mark.parametrize("sq", [1, 64])  # decode's loops; BLAS' tiles
+def test_one_array_as_q_k_and_v(sq):
+    """Q, K and V may be the very same array (the wrapper tells them apart by
+    position, not identity): Y equals that of three copies."""
+    x = np.random.default_rng(7).standard_normal((1, 8, sq, 64), dtype=np.float32)
+    np.testing.assert_array_equal(numkv.attention(x, x, x, is_causal=True),
+                                  numkv.attention(x.copy(), x.copy(), x.copy(), is_causal=True))
+
+
 def test_read_only_inputs_reuse_the_compiled_kernel():
     from numkv._kernels.attention import attention_items as attention_kernel
 

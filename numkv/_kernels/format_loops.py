@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "9358e31552391e49486596ca77620532b0ce6dab1f1c7bd7766e62b9e2b7e7ae"
+HELPERS_SHA256 = "7addf9e8300b3b731060275c8947b4e83fec32b0dd04efab21c03bd95259ea4b"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -103,20 +103,23 @@ def addresses(acc, kv_codes, widened, blas):
 
 
 def widened_codes(acc, q_code, kv, blas):
-    """The dtype codes whose rows a call widens into tiles: Q's, and a K or
-    V tensor's unless every tile reads it in place (``widen._kv_tile``):
-    unit-stride rows of the accumulation dtype that do not overlap, or of
-    an ``IN_PLACE`` format in decode's loops (float32 accumulators, no
-    BLAS).  ``kv``: ``(code, element stride, row stride, row width)`` per
-    tensor."""
+    """The dtype codes whose rows a call widens into tiles: Q's (unless of
+    the accumulation dtype: the kernel copies it), and a K or V tensor's
+    unless the kernel reads its rows in place (``read_in_place``).  ``kv``:
+    ``(code, element stride, row stride, row width)`` per tensor."""
     acc_code = F64 if acc else F32
-    codes = {q_code} if q_code != acc_code else set()  # the kernel copies Q of the accumulation dtype
-    for code, stride, row_stride, width in kv:
-        in_place = stride == 1 and (row_stride >= width if code == acc_code
-                                    else acc == 0 and not blas and code in IN_PLACE)
-        if not in_place:
-            codes.add(code)
+    codes = {q_code} if q_code != acc_code else set()
+    codes.update(code for code, *rows in kv if not read_in_place(acc, code, *rows, blas))
     return sorted(codes)
+
+
+def read_in_place(acc, code, stride, row_stride, width, blas):
+    """Whether the kernel reads a K or V tensor's rows where they lie
+    (``widen._kv_tile``) -- unit-stride rows of the accumulation dtype that
+    do not overlap, or of an ``IN_PLACE`` format in decode's loops (float32
+    accumulators, no BLAS) -- rather than widen them into tiles."""
+    acc_code = F64 if acc else F32
+    return stride == 1 and (row_stride >= width if code == acc_code else acc == 0 and not blas and code in IN_PLACE)
 
 
 def _compile(acc, code, field):

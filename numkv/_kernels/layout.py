@@ -24,8 +24,10 @@ INT_FIELDS = (
 # -- desc[]: a row per tensor, its base offset, (b, h, s, d) strides in elements, dtype code
 TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
 T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
-TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype")
-BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE = range(len(TENSOR_FIELDS))
+# ``in_place``: 1 where the kernel reads the K / V rows where they lie
+# (``format_loops.read_in_place``), 0 where it widens them into tiles.
+TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype", "in_place")
+BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE, IN_PLACE_ROWS = range(len(TENSOR_FIELDS))
 
 # -- floats[] ------------------------------------------------------------------------
 FLOAT_FIELDS = ("q_scale", "score_scale", "softcap")

@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "c5fa345e77823babea90e468a6f125977090c05e0e86264bd7670455901b7d42"
+HELPERS_SHA256 = "2fd0128ede5bb2dc203901959dfa8424cace6fa9fcdd0c8e91d018eab2726e37"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -129,20 +129,14 @@ def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
     group = ints[Q_HEADS] // ints[KV_HEADS]
     nq = rows // group
     i0 = qt_index * ints[BLOCK_Q]
+    d_v, step = ints[V_HEAD_SIZE], np.uint64(desc[T_Y, STRIDE_D])
     for r in range(rows):
         g, i = r // nq, r % nq
-        at = (desc[T_Y, BASE] + b * desc[T_Y, STRIDE_B] + (hk * group + g) * desc[T_Y, STRIDE_H]
-              + (i0 + i) * desc[T_Y, STRIDE_S])
-        inv = 0.0 if l[r] == 0.0 else 1.0 / l[r]
-        d_v, step = ints[V_HEAD_SIZE], desc[T_Y, STRIDE_D]
-        if step == 1:  # a loop LLVM vectorises (decode Hq=16 D=64: 0.27 us an item, strided)
-            row = y[at:at + d_v]
-            for d in range(d_v):
-                row[d] = np.nan if bad[r] else acc[r, d] * inv
-        else:
-            for d in range(d_v):
-                y[at + d * step] = np.nan if bad[r] else acc[r, d] * inv
-
+        at = np.uint64(desc[T_Y, BASE] + b * desc[T_Y, STRIDE_B] + (hk * group + g) * desc[T_Y, STRIDE_H]
+                       + (i0 + i) * desc[T_Y, STRIDE_S])
+        inv = np.nan if bad[r] else 0.0 if l[r] == 0.0 else 1.0 / l[r]
+        for d in range(d_v):  # (LLVM vectorises it, checking step == 1 at run time)
+            y[at + np.uint64(d) * step] = acc[r, d] * inv
 
 
 @jit(reassociate=True)

@@ -37,9 +37,9 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_f16c, has_vbmi
-from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, INFNAN_EM, INT4, INT8, NAN_BITS, NAN_EM, NONE,
-                     Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D, STRIDE_H,
-                     STRIDE_S, WIDEN)
+from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, IN_PLACE_ROWS, INFNAN_EM, INT4, INT8, NAN_BITS,
+                     NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D,
+                     STRIDE_H, STRIDE_S, WIDEN)
 from .simd import (_BYTES, PREFETCH_KEYS, _as_flat, _as_i32, _as_rows, _broadcast, _float32_from_bits, _prefetch, _run,
                    _splat, _view)
 
@@ -258,7 +258,6 @@ FORMATS = {  # in this order in every loop's switch (``decode_loops._per_format`
 # The narrow K/V dtypes float32 decode's loops read in place (``_kv_tile``,
 # ``decode_loops._per_format``): code -> (format, bits an element).
 IN_PLACE = {fmt.code: (name, fmt.bits) for name, fmt in FORMATS.items()}
-IN_PLACE_CODES = tuple(IN_PLACE)
 
 
 def _widen_ir(builder, bits, narrow, f16c):
@@ -565,22 +564,18 @@ def _tile_origin(j0, b, hk, desc, t):
 
 
 @jit(inline=True)
-def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, loops, acc_code, narrow):
+def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, loops, acc_code):
     """Keys ``j0 .. j0 + n`` of kv head ``hk`` from tensor ``t`` as ``(bytes,
     at, ld, code, in_place, failed)``: key ``j``'s row is the ``width``
     elements of dtype ``code`` from element ``at + j * ld`` of ``bytes``.
-    The buffer itself where it holds unit-stride rows of the accumulation
-    dtype, or (``narrow``: the loops read it) of an ``IN_PLACE`` dtype; else
-    ``scratch``, whose accumulation-dtype view ``tile`` is filled by
+    The buffer itself where the wrapper says the kernel reads its rows in
+    place (``desc``'s ``IN_PLACE_ROWS``: ``format_loops.read_in_place``);
+    else ``scratch``, whose accumulation-dtype view ``tile`` is filled by
     widening (``failed``: 1 where that failed, ``simd._run``)."""
     base, seq_stride = _tile_origin(j0, b, hk, desc, t)
-    code = desc[t, DTYPE]
-    if desc[t, STRIDE_D] == 1:
-        if code == acc_code and (seq_stride >= width or n == 1):
-            return buf, base, max(seq_stride, width), code, True, 0
-        if narrow and code in IN_PLACE_CODES:
-            return buf, base, seq_stride, code, True, 0
+    if desc[t, IN_PLACE_ROWS]:
+        return buf, base, seq_stride, desc[t, DTYPE], True, 0
     first_row = j0 - j0  # an int64, not the literal 0
-    failed = _widen_rows_of(loops, _as_rows(tile[:n * width], width), first_row, n, width, buf, code, base,
-                            seq_stride, desc[t, STRIDE_D], table, formats)
+    failed = _widen_rows_of(loops, _as_rows(tile[:n * width], width), first_row, n, width, buf, desc[t, DTYPE],
+                            base, seq_stride, desc[t, STRIDE_D], table, formats)
     return scratch, first_row, width, acc_code, False, failed
