@@ -123,11 +123,11 @@ class _Progress:
 
 def _first_compile(label):
     """What a run's first call may compile, and about how long that takes from
-    a cold cache (measured on 2 cores: ~7 s for the first run's float32
-    attention, prefill and decode, whose kernel every later run reuses; ~1-1.5
-    s for another cache dtype's loops, 0.5 s for its writes)."""
+    a cold cache (measured on 2 cores: ~4 s for the first run's float32
+    attention, prefill and decode, whose kernel every later run reuses; ~1.5-2
+    s for a cache's writes and another cache dtype's loops)."""
     if label.startswith("(a)"):
-        return f"run {label}: float32 attention", 7
+        return f"run {label}: float32 attention", 4
     return f"run {label}", 2
 
 
