@@ -110,12 +110,12 @@ from .format_loops import loop_table, read_in_place  # noqa: F401 (the wrapper's
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
-    BASE, BATCH, BF16, FINISH, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
-    DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FLOAT_FIELDS, FORMAT_FIELDS,
-    FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, IN_PLACE_ROWS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
-    NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES, SCORE_SCALE,
-    SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K, T_MASK,
-    T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
+    BASE, BATCH, BF16, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
+    DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS,
+    FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT,
+    NAN_BITS, NAN_EM, NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
+    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K,
+    T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
 from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _run, _view
 from .widen import _kv_tile, _widen_rows_of
@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "441d1dfa54ab19c8890b13d284f37f35075027ca6cde68bc035d02030b93c870"
+HELPERS_SHA256 = "9b739f00b62d9b2052ef79bb7320f167ff125fb836dc7eb9ea6b1a79ca50321e"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -227,8 +227,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     for j0 in range(seg_lo, seg_hi + 1, bk):
                         n = min(bk, seg_hi + 1 - j0)
                         s = _as_rows(sbuf[:rows * n], n)
-                        kr, ko, kld, kcode, k_in_place, failed = _kv_tile(kbuf, ktile, j0 - shift, n, d_k, b, hk, kb,
-                                                                  desc, tk, table, formats, loops, acc_code)
+                        kr, ko, kld, kcode, k_in_place, failed = _kv_tile(
+                            kbuf, ktile, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, loops, acc_code)
                         edge = has_mask  # some key of the tile is masked for some row
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
@@ -238,10 +238,11 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                             (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, ints[GEMM_LIMIT], ints[GEMM_FN], edge, 0))
                         failures += _run(  # softmax._softmax_tile
                             loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],
-                            (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base, desc[T_MASK, STRIDE_S],
-                             desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap, score_scale))
-                        vr, vo, vld, vcode, v_in_place, failed = _kv_tile(vbuf, vtile, j0 - shift, n, d_v, b, hk, vb,
-                                                                  desc, tv, table, formats, loops, acc_code)
+                            (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
+                             desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
+                             score_scale))
+                        vr, vo, vld, vcode, v_in_place, failed = _kv_tile(
+                            vbuf, vtile, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, loops, acc_code)
                         for r in range(rows):
                             a = alpha[r]
                             if a != 1.0:

@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "7addf9e8300b3b731060275c8947b4e83fec32b0dd04efab21c03bd95259ea4b"
+HELPERS_SHA256 = "8b65a0b06eb62b5061989428d3b300f417253ff1863b6d8cc439191891f4253d"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -154,8 +154,8 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
                         loop):
-            queries = _as_rows(_array(q, rows * d_k), d_k)
-            _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _as_rows(_array(s, rows * n), n), rows, n,
+            queries = _as_rows(_array(q, q_size), d_k)
+            _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _as_rows(_array(s, s_size), n), rows, n,
                          gemm_limit, gemm_fn)
             return 1
         return blas_scores
@@ -163,7 +163,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
                         loop):
-            weights, sums = _as_rows(_array(p, rows * n), n), _as_rows(_array(acc, rows * d_v), d_v)
+            weights, sums = _as_rows(_array(p, p_size), n), _as_rows(_array(acc, acc_size), d_v)
             raw = _array(v, v_size)
             values = _view(raw, weights)
             # BLAS' product cannot leave masked keys out (0 * inf is NaN):
@@ -186,7 +186,7 @@ def _compile(acc, code, field):
         def softmax(s, s_size, lo, lo_size, hi, hi_size, mask, mask_size, m, m_size, l, l_size, alpha, alpha_size,
                     bad, bad_size, rows, n, nq, j0, edge, mask_base, stride_i, stride_j, stride_g, softcap,
                     score_scale):
-            _softmax_tile(_as_rows(_array(s, rows * n), n), rows, n, nq, j0, _array(lo, lo_size), _array(hi, hi_size),
+            _softmax_tile(_as_rows(_array(s, s_size), n), rows, n, nq, j0, _array(lo, lo_size), _array(hi, hi_size),
                           edge != 0, _array(mask, mask_size), mask_base, stride_i, stride_j, stride_g, as_real(softcap),
                           as_real(score_scale), _array(m, m_size), _array(l, l_size), _array(alpha, alpha_size),
                           _array(bad, bad_size), fast_sum)
@@ -201,7 +201,7 @@ def _compile(acc, code, field):
                    part_m_size, part_l, part_l_size, part_acc, part_acc_size, b, hk, qt_index, rows, at, chunks):
             layout = _array(ints, ints_size)
             d_v, rows_max = layout[V_HEAD_SIZE], layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
-            tile, sums, nan = _as_rows(_array(acc, rows * d_v), d_v), _array(l, l_size), _array(bad, bad_size)
+            tile, sums, nan = _as_rows(_array(acc, acc_size), d_v), _array(l, l_size), _array(bad, bad_size)
             if chunks:
                 _merge_chunks(_array(part_m, part_m_size), _array(part_l, part_l_size), _array(part_acc, part_acc_size),
                               rows_max, at, chunks, rows, tile, sums, nan)

@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "e8446dc46bbf82dce591800aaf42d075927accbc59c0cbc4786a6c47f3888178"
+HELPERS_SHA256 = "61fed9854e3c48f09557dea0a9f7ad0d5bd73b02237b854b7f33f430a045f07c"
 
 
 @jit()
