@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "8b65a0b06eb62b5061989428d3b300f417253ff1863b6d8cc439191891f4253d"
+HELPERS_SHA256 = "aca36c3b6cef9246c0fa876b388fb0638d7213dbc18cb058727ef56a7f90fe1e"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

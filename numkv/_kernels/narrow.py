@@ -15,7 +15,7 @@ from .simd import _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "167443bde191f4b56d4f6a6ecea7358496f9d6af4ef20c1c8c8137bad793aa59"
+HELPERS_SHA256 = "2ff1e728b5fa2b2534632c6dbc65772a9fb1cf35c1eedab26f72654462209b2e"
 
 CHUNK = 1 << 16  # elements a work item
 

@@ -170,7 +170,6 @@ def _as_rows(typingctx, flat, width):
 
     def codegen(context, builder, sig, args):
         src = context.make_array(flat)(context, builder, args[0])
-        intp = context.get_value_type(types.intp)
         cols = context.cast(builder, args[1], width, types.intp)
         rows = builder.sdiv(cgutils.unpack_tuple(builder, src.shape)[0], cols)
         return _reshaped(context, builder, matrix, src, [rows, cols], [builder.mul(cols, src.itemsize), src.itemsize])

@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "93e369ddeea19dfd106bcf7c53f04da233c249c1037af2dcbb6776a4d3fc1932"
+HELPERS_SHA256 = "2e2b94cb7d881fefc19a0b105ad6955b449e8cd9bc9c1a35881d7b6f94134e64"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
