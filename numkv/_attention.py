@@ -361,7 +361,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    inputs, desc, bases, layouts = [], [], [], []
+    inputs, desc, bases, kv = [], [], [], []
     # A QuantizedArray is read as its storage's bytes (``layout.QUANT_FORMATS``);
     # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
     q = folded_query(call.q, call.k, call.acc_dtype)
@@ -373,8 +373,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
         in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_blas)
         desc += (base, *strides, code, int(in_place))
-        # dtype, element and row strides: which loops it needs (none for K / V without keys, never read)
-        layouts.append((code, strides[3], strides[2]) if t == kernels.T_Q or arr.shape[2] else None)
+        if t == kernels.T_Q:
+            q_code = code
+        elif arr.shape[2]:  # (K / V without keys: never read, no loops)
+            kv.append((code, in_place))
     if call.mask is None:
         inputs.append(_NO_MASK[size])
         desc += _NO_MASK_ROW
@@ -386,7 +388,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     n_items, rows = b * hkv * n_units, group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
-    loops = kernels.loop_table(size // 8, tuple(layouts), (d, d, dv, dv), uses_blas)
+    loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_blas)
     plan = _Plan(
         ints=ints,
         desc=desc,

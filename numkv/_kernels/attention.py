@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "ad013fbf35fe7a1e63c087a9b5a5574a33bf1657d08eb82b244775794aaddfb1"
+HELPERS_SHA256 = "ac1a0149b762e6bdb79f9be70fdc638281f188e54eddbac179778352cc7cefe6"
 
 
 # -- work items --------------------------------------------------------------------------

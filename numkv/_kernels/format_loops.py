@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "aca36c3b6cef9246c0fa876b388fb0638d7213dbc18cb058727ef56a7f90fe1e"
+HELPERS_SHA256 = "448f989643d648b01c9d3909f4be40a354f74c872cce4faffd5bef2f85fee1c7"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -57,38 +57,39 @@ _tables = {}  # loop_table's keys whose functions are compiled
 _lock = threading.Lock()
 
 
-def loop_table(acc, layouts, widths, blas):
+def loop_table(acc, q_code, kv, blas):
     """``TABLES[acc]`` with every function a call may make compiled
-    (``addresses``), for its Q, past K, K, past V and V ``layouts``
-    (``(dtype code, element stride, row stride)`` each, None for a tensor
-    without keys; ``widths``: the K / V rows' elements) and whether its
-    tiles take BLAS; remembered per
-    layout, so a call whose plan is not kept pays one lookup (computing it
-    cost 1.8 us)."""
-    key = (acc, layouts, widths, blas)
+    (``addresses``), for its Q's dtype code, ``(dtype code, read in place)``
+    of each K / V tensor that has keys (``kv``, a tuple; ``read_in_place``)
+    and whether its tiles take BLAS; remembered per layout, so a call whose
+    plan is not kept pays one lookup (computing it cost 1.8 us)."""
+    key = (acc, q_code, kv, blas)
     table = _tables.get(key)
     if table is None:
-        kv = [(*layout, width) for layout, width in zip(layouts[1:], widths) if layout is not None]
-        table = addresses(acc, [code for code, *_ in kv], widened_codes(acc, layouts[0][0], kv, blas), blas)
+        acc_code = F64 if acc else F32
+        read = {code for code, in_place in kv if in_place}
+        widened = {code for code, in_place in kv if not in_place}
+        if q_code != acc_code:  # (the kernel copies Q of the accumulation dtype)
+            widened.add(q_code)
+        table = addresses(acc, sorted(read), sorted(widened), blas)
         if len(_tables) >= 1024:
             _tables.clear()
         _tables[key] = table
     return table
 
 
-def addresses(acc, kv_codes, widened, blas):
+def addresses(acc, read, widened, blas):
     """``TABLES[acc]``, with every C function a call of accumulation dtype
     ``acc`` (0: float32, 1: float64) may make compiled: from numba's disk
-    cache, else now (~0.2-0.8 s each, CPU).  The softmax and decode's loops
-    for rows of the accumulation dtype, and for float32 accumulators those
-    of the ``IN_PLACE`` formats among the K / V dtype codes ``kv_codes``;
-    the widening of the dtype codes ``widened`` (``widened_codes``); BLAS'
-    products and softmax where ``blas`` (the call's tiles have enough query
-    rows).  Two threads may compile at once: each entry is written whole,
-    under a lock."""
+    cache, else now (~0.2-0.8 s each, CPU).  The softmax, the output rows
+    and decode's loops for rows of the accumulation dtype, and the loops of
+    the dtype codes ``read`` in place; the widening of the dtype codes
+    ``widened``; BLAS' products and softmax where ``blas`` (the call's
+    tiles have enough query rows).  Two threads may compile at once: each
+    entry is written whole, under a lock."""
     acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in widened] + [(acc_code, field) for field in (SOFTMAX, SCORES, VALUES, FINISH)]
-    wanted += [(code, field) for code in kv_codes if acc == 0 and code in IN_PLACE for field in (SCORES, VALUES)]
+    wanted += [(code, field) for code in read for field in (SCORES, VALUES)]
     if blas:
         wanted += [(acc_code, BLAS_SCORES), (acc_code, BLAS_VALUES), (acc_code, BLAS_SOFTMAX)]
     table = TABLES[acc]
@@ -100,17 +101,6 @@ def addresses(acc, kv_codes, widened, blas):
                     _compiled[acc, code, field] = function
                     table[code, field] = function.address
     return table
-
-
-def widened_codes(acc, q_code, kv, blas):
-    """The dtype codes whose rows a call widens into tiles: Q's (unless of
-    the accumulation dtype: the kernel copies it), and a K or V tensor's
-    unless the kernel reads its rows in place (``read_in_place``).  ``kv``:
-    ``(code, element stride, row stride, row width)`` per tensor."""
-    acc_code = F64 if acc else F32
-    codes = {q_code} if q_code != acc_code else set()
-    codes.update(code for code, *rows in kv if not read_in_place(acc, code, *rows, blas))
-    return sorted(codes)
 
 
 def read_in_place(acc, code, stride, row_stride, width, blas):

@@ -23,13 +23,11 @@ Nothing here knows a K/V format (``widen``) or the attention algorithm.
 
 import platform
 
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._config import jit
 
 # Bytes a vector of the loops holds: one AVX-512 register (two AVX2 ones).
 VECTOR_BYTES = 64
@@ -227,17 +225,6 @@ def _emit_prefetch(builder, ptr):
     fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
                                           ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
     builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
-
-
-@jit(inline=True)
-def _prefetch_ahead(flat, start, count, size):
-    """``_prefetch`` the ``count`` elements of ``size`` bytes from element
-    ``start`` of the raw bytes ``flat``, 16 elements (a float32 cache line)
-    at a time: the key rows ``PREFETCH_KEYS`` on (a narrow cache's lines get
-    several: one a 64-byte line measured slower, float8_e4m3fn decode
-    Skv=16384 3.4-3.6 ms against 3.2)."""
-    for line in range(0, count, 16):
-        _prefetch(flat, (start + np.uint64(line)) * np.uint64(size))
 
 
 @intrinsic

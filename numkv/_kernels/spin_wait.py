@@ -14,7 +14,7 @@ from .simd import _load_acquire, _pause
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "c0868f542ca5ae4b46b5b69cf19710b25f1d4edd0ecb56298cab463241e86c0e"
+HELPERS_SHA256 = "9465287aa0fb46b518d83f0d4cf53583119a7f179e348865a4d813a6d8dc7a8e"
 
 
 @jit()
