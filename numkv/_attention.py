@@ -58,32 +58,42 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   items (>= 4 per thread up to 64 threads) of chunks of at least
 #   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
 #   gain); ``TARGET_BLAS_ITEMS`` for BLAS tiles, whose causal pairs balance
-#   already (a split full prefill S=1024 cost 198 against 160 ms).  Calls
-#   that stay on one thread (below) keep the key range whole.  The chunk
-#   length depends on the shapes only: results do not depend on the thread
+#   already (a split full prefill S=1024 cost 198 against 160 ms).  Small
+#   calls (below) keep the key range whole.  Whether and where the keys are
+#   split depends on the shapes only: results do not depend on the thread
 #   count.
-# * Calls of fewer than ``SINGLE_THREAD_MACS`` multiply-adds stay on the
-#   calling thread: handing out shares costs ~25 us.  On 2 cores, decode
-#   Hq=32 D=128, medians of 0.1 s samples, one thread against two: Skv=512
-#   (4.2M MACs) 249-317 vs 253-282 us, Skv=1024 (8.4M) 392-445 vs 364-414
-#   us, Skv=1536 585-624 vs 400-618 us, Skv=2048 1.68-1.81 vs 0.86-0.93 ms.
-#   Right after an idle spell (a sleeping core wakes slowly) one thread did
-#   better up to Skv=1536 (20 ms samples: 654-739 vs 880-915 us).
-# * Larger calls use at most one thread per ``SINGLE_THREAD_MACS / 2``
-#   multiply-adds (``_useful_threads``): each share handed out costs the
-#   caller ~20 us, which a small share does not repay.  On 16 Intel cores
-#   (decode Hq=32 Hkv=8, medians; us on 1 / 2 / 4 / 8 / 16 threads):
-#   D=128 Skv=1024 (8.4M MACs) 475 / 307 / 297 / 298 / 651, D=64 Skv=2048
-#   (8.4M) 874 / 478 / 355 / 329 / 605, D=128 Skv=4096 (33.5M) 1963 / 1141 /
-#   837 / 605 / 774, Skv=16384 (134M) 10424 / 5229 / 2374 / 1509 / 1386.
-#   The rule takes 2, 2, 8 and 16 of them; on 2 cores it changes nothing.
+# * Calls of fewer than ``SPLIT_MACS`` multiply-adds keep their key range
+#   whole: chunks exist to feed many threads, and cost a merge.  On 2 cores,
+#   decode Hq=32 D=128, medians of 0.1 s samples, one thread against two
+#   (before workers watched for their next job): Skv=512 (4.2M MACs) 249-317
+#   vs 253-282 us, Skv=1024 (8.4M) 392-445 vs 364-414 us, Skv=1536 585-624
+#   vs 400-618 us, Skv=2048 1.68-1.81 vs 0.86-0.93 ms.
+# * Calls of fewer than ``SINGLE_THREAD_MACS`` stay on the calling thread;
+#   from there to ``SPLIT_MACS`` two threads share the items (a worker that
+#   is awake takes some; one that is asleep is called off, ``pool.run``).
+#   On 2 cores (EPYC), decode B=1, calls in a loop, medians of 9 rounds of
+#   100, two threads' time over one thread's in three runs: Hq=16 Hkv=4
+#   D=64 Skv=256 (0.5M MACs) 1.13-1.66x, 512 (1.0M) 0.99-1.36x, 768 (1.6M)
+#   0.78-1.00x, 1088 (2.2M) 0.72-0.90x, 1536 (3.1M) 0.68-0.85x; Hq=32 Hkv=8
+#   D=128 Skv=64 0.97-1.44x, 128 0.86-1.10x, 256 (2.1M) 0.75-0.95x, 512
+#   (4.2M) 0.70-0.78x.  (Before workers watched for their next job and joined
+#   calls took the GIL out of the hand-over, two threads gained nothing
+#   below ~4M MACs.)
+# * Larger calls use at most one thread per ``THREAD_MACS`` multiply-adds
+#   (``_useful_threads``): each share handed out costs the caller ~20 us,
+#   which a small share does not repay.  On 16 Intel cores (decode Hq=32
+#   Hkv=8, medians; us on 1 / 2 / 4 / 8 / 16 threads): D=128 Skv=1024 (8.4M
+#   MACs) 475 / 307 / 297 / 298 / 651, D=64 Skv=2048 (8.4M) 874 / 478 / 355
+#   / 329 / 605, D=128 Skv=4096 (33.5M) 1963 / 1141 / 837 / 605 / 774,
+#   Skv=16384 (134M) 10424 / 5229 / 2374 / 1509 / 1386.  The rule takes 2,
+#   2, 8 and 16 of them; on 2 cores it changes nothing.
 BLAS_MIN_ROWS = 16
 ROWS_PER_TILE, MIN_ROWS_PER_TILE, BLAS_BLOCK_K = 512, 128, 256
 SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K, GEMM_MNK_LIMIT = 128, 64, 1 << 18
 LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_BLAS_ITEMS = 256, 64
 MIN_CHUNK = 512
-SINGLE_THREAD_MACS = 1 << 23
+SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 21, 1 << 23, 1 << 22
 # Threads claim work items one at a time rather than take equal shares: a
 # worker that wakes late or runs slow then takes fewer (2 threads, medians of
 # interleaved calls: 1.01-1.06x faster decode, Skv 512-16384 and B=8; 1.09x
@@ -240,7 +250,7 @@ def _signature(Q, K, V, attributes):
     if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
     return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_,
-            SINGLE_THREAD_MACS, CLAIM_ITEMS, (blas.single_threaded(), blas.gemm_function(4)))
+            SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS, CLAIM_ITEMS, (blas.single_threaded(), blas.gemm_function(4)))
 
 
 def _keep(key, plan):
@@ -336,12 +346,13 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     block_k = block_k or auto_k
     uses_blas = group * block_q >= blas_rows
     n_q_tiles = -(-sq // block_q)
-    threads = _useful_threads(b * hq * sq * total * (d + dv))
-    small = threads == 1
+    macs = b * hq * sq * total * (d + dv)
+    threads = _useful_threads(macs)
     if kv_chunk is None:
-        # Chunks exist to feed threads; on one they only add a merge (Hq=16
-        # Hkv=4 D=64 Skv=1088: 140 us a call unsplit, 147 in 3 chunks).
-        kv_chunk = total if small else _kv_chunk(b * hkv * n_q_tiles, total, block_k,
+        # Chunks exist to feed many threads; on one or two they add a merge
+        # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
+        # in 3 chunks).
+        kv_chunk = total if macs < SPLIT_MACS else _kv_chunk(b * hkv * n_q_tiles, total, block_k,
                                                  TARGET_BLAS_ITEMS if uses_blas else TARGET_ITEMS)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
     n_chunks = max(1, -(-total // kv_chunk))
@@ -395,7 +406,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         floats=np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype),
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
-        small=small, claimed=CLAIM_ITEMS and not small, threads=threads,
+        small=threads == 1, claimed=CLAIM_ITEMS and threads > 1, threads=threads,
         y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
@@ -405,12 +416,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
 
 def _useful_threads(macs):
     """How many threads a call of ``macs`` multiply-adds is worth: one below
-    ``SINGLE_THREAD_MACS``, else one per ``SINGLE_THREAD_MACS / 2`` (the
-    measurements are in the comment above ``SINGLE_THREAD_MACS``)."""
+    ``SINGLE_THREAD_MACS``, else one per ``THREAD_MACS``, and at least two
+    (the measurements are in the comment above ``SINGLE_THREAD_MACS``)."""
     if macs < SINGLE_THREAD_MACS:
         return 1
-    per_thread = SINGLE_THREAD_MACS // 2
-    return int(macs // per_thread) if per_thread else pool.MAX_WORKERS + 1  # (tests set 0: no limit)
+    return max(2, int(macs // THREAD_MACS)) if THREAD_MACS else pool.MAX_WORKERS + 1  # (tests set 0: no limit)
 
 
 @dataclass(slots=True)
@@ -465,7 +475,7 @@ class _Plan:
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, self.loops, part_m, part_l, part_acc,
             counter, chunks_done),
-            self.small, self.claimed, max_threads=self.threads)
+            self.small, self.claimed, max_threads=self.threads, joined=True)
         if self.y_scale is not None:  # y_d = s_d sum_j p_j c_jd / l (a QuantizedArray V: Y is 4-D)
             y *= self.y_scale
         return _finish(y, self.out_dtype)

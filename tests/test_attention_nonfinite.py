@@ -155,7 +155,8 @@ def test_nan_with_split_keys_on_several_threads(rng, monkeypatch):
     k = rng.standard_normal((1, 1, 3000, 16), np.float32)
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     k[0, 0, 2222, 0] = np.nan
-    monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", 0)
+    for threshold in ("SINGLE_THREAD_MACS", "SPLIT_MACS", "THREAD_MACS"):
+        monkeypatch.setattr(_attention, threshold, 0)
     results = []
     for threads in (1, 3):
         monkeypatch.setattr(thread_count, "get_num_threads", lambda n=threads: n)

@@ -151,13 +151,14 @@ def run_on_threads(call, threads, claim=False, **kwargs):
     shares = []
     run = pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
         assert claimed == (claim and kernel.__name__ == "attention_items")
         shares.append(1 if small else min(threads, n_items))
-        return run(kernel, n_items, args, small, claimed, max_threads)
+        return run(kernel, n_items, args, small, claimed, max_threads, joined)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_attention, "SINGLE_THREAD_MACS", 0)
+        for threshold in ("SINGLE_THREAD_MACS", "SPLIT_MACS", "THREAD_MACS"):
+            mp.setattr(_attention, threshold, 0)
         mp.setattr(_attention, "CLAIM_ITEMS", claim)
         mp.setattr(thread_count, "get_num_threads", lambda: threads)
         mp.setattr(pool, "run", spy)
@@ -225,18 +226,18 @@ def test_thread_count_does_not_change_y_split_decode():
 
 
 def test_threads_are_capped_by_the_work(monkeypatch):
-    """A call uses at most one thread per SINGLE_THREAD_MACS / 2 multiply-adds
-    (a share handed out costs ~20 us), whatever numkv's thread count, and Y
-    does not change with it."""
+    """A call uses at most one thread per THREAD_MACS multiply-adds (a share
+    handed out costs ~20 us), whatever numkv's thread count, and Y does not
+    change with it."""
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 32, 1, 128), np.float32)
     k = rng.standard_normal((1, 8, 1024, 128), np.float32)      # 8.4M MACs: 2 threads
     used, run = [], pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
         if kernel.__name__ == "attention_items":
             used.append(1 if small else min(16, n_items, max_threads or 16))
-        return run(kernel, n_items, args, small, claimed, max_threads)
+        return run(kernel, n_items, args, small, claimed, max_threads, joined)
 
     monkeypatch.setattr(thread_count, "get_num_threads", lambda: 16)
     monkeypatch.setattr(pool, "run", spy)
@@ -248,9 +249,9 @@ def test_threads_are_capped_by_the_work(monkeypatch):
     np.testing.assert_array_equal(y16, numkv.attention(q, k, k))
 
 
-def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
-    # A call below SINGLE_THREAD_MACS runs on one thread: its keys are not
-    # split into chunks (nothing to merge); a larger one is.  Both match a
+def test_small_calls_keep_the_key_range_whole(monkeypatch):
+    # A call below SPLIT_MACS keeps its keys whole (on one thread or two:
+    # nothing to merge); a larger one splits them into chunks.  Both match a
     # forced split.
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 4, 1, 16), np.float32)
@@ -267,7 +268,7 @@ def test_one_thread_calls_keep_the_key_range_whole(monkeypatch):
     monkeypatch.setattr(pool, "run", spy)
     for threshold, split in ((macs + 1, False), (macs, True)):
         splits.clear()
-        monkeypatch.setattr(_attention, "SINGLE_THREAD_MACS", threshold)
+        monkeypatch.setattr(_attention, "SPLIT_MACS", threshold)
         y = _attention.run(call)
         assert splits == [split]
         assert_close_f32(y, _attention.run(call, kv_chunk=512), {"K": k, "V": v})

@@ -42,13 +42,13 @@ def gemm_limits(monkeypatch, functions=None):
     and into ``functions`` its ``gemm_fn``."""
     seen, run = [], pool.run
 
-    def watching(kernel, n_items, args, small=False, claimed=False, max_threads=None):
+    def watching(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
         if kernel.__name__ == "attention_items":
             ints = args[7]
             seen.append((int(ints[INT_FIELDS.index("gemm_limit")]), blas_counts()))
             if functions is not None:
                 functions.append(int(ints[INT_FIELDS.index("gemm_fn")]))
-        return run(kernel, n_items, args, small, claimed, max_threads)
+        return run(kernel, n_items, args, small, claimed, max_threads, joined)
 
     monkeypatch.setattr(pool, "run", watching)
     return seen

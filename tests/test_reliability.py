@@ -113,6 +113,38 @@ def test_threadpoolctl_limits_numkv(default_threads):
         assert numkv.get_num_threads() == 1
 
 
+def test_a_worker_that_starts_late_is_called_off(default_threads):
+    """An attention call whose worker is busy elsewhere (here: a share of
+    another call that waits) does not wait for it: its caller takes every
+    item and calls the worker's share off; Y is one thread's, and the worker
+    skips the share when it gets to it."""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 8, 1, 64), np.float32)
+    k, v = (rng.standard_normal((1, 4, 2048, 64), np.float32) for _ in range(2))  # 2.1M MACs: 2 threads
+    numkv.set_num_threads(1)
+    want = numkv.attention(q, k, v)
+    numkv.set_num_threads(2)
+    busy, release, waited = threading.Event(), threading.Event(), threading.Event()
+
+    def blocker(first, stop):
+        if first > 0:  # the worker's share
+            busy.set()
+            release.wait(20)
+            waited.set()
+
+    other = threading.Thread(target=pool.run, args=(blocker, 2, ()))
+    other.start()
+    try:
+        assert busy.wait(60)
+        y = numkv.attention(q, k, v)
+        assert not waited.is_set()  # it came back while the worker was busy
+    finally:
+        release.set()
+        other.join()
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(numkv.attention(q, k, v), want)  # the worker took the next call's share
+
+
 # -- Python threads -------------------------------------------------------------
 
 CALLS = """
@@ -227,11 +259,11 @@ def _in_worker(seed):
     k = rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
     used, run = set(), pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
         def counted(first, stop, *a):
             used.add(threading.get_ident())
             return kernel(first, stop, *a)
-        return run(counted, n_items, args, small, claimed, max_threads)
+        return run(counted, n_items, args, small, claimed, max_threads, joined)
 
     pool.run = spy
     try:

@@ -113,17 +113,18 @@ from .layout import (  # noqa: F401
     BASE, BATCH, BF16, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
     DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS,
     FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT,
-    NAN_BITS, NAN_EM, NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
-    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K,
+    NAN_BITS, NAN_EM, NONE, NOT_STARTED, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
+    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K,
     T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
-from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _run, _view
+from .simd import LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _run, _view
+from .spin_wait import _join_workers, _post_jobs
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "ac1a0149b762e6bdb79f9be70fdc638281f188e54eddbac179778352cc7cefe6"
+HELPERS_SHA256 = "8f3aba3413748a12d793c9c7267017938c6dca2fe3510166ea6f51097618cee3"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -131,7 +132,7 @@ HELPERS_SHA256 = "ac1a0149b762e6bdb79f9be70fdc638281f188e54eddbac179778352cc7cef
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, loops, part_m, part_l, part_acc, counter, chunks_done):
+                    table, formats, loops, part_m, part_l, part_acc, counter, chunks_done, flags, call, role):
     """Work items ``first .. stop``, in order; or, where ``counter`` has an
     element, claimed one at a time (``first + counter[0]``, atomically) by
     every thread running this call over the same range, so that a thread
@@ -146,7 +147,12 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     second pass over the items, a split call hands out work to the threads
     once).  (One function, not a loop calling an item function: each level
     of calls re-optimises all the code below it, and this one cost ~4 s of
-    compile time.)"""
+    compile time.)  Run ``joined`` (``pool.run``): ``flags``, ``call`` and
+    ``role`` are the pool's (``spin_wait``)."""
+    if role == 0:
+        _post_jobs(flags, call)
+    elif not _compare_exchange(call, role, NOT_STARTED, STARTED):  # called off: every item is taken
+        return
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
     group = ints[Q_HEADS] // ints[KV_HEADS]
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
@@ -267,6 +273,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
             failures += _run(loops[acc_code, FINISH], (y, ints, desc, acc, l, bad, part_m, part_l, part_acc, b, hk,
                                                        qt_index, rows, item * n_ch, chunks))
+    if role == 0:
+        _join_workers(flags, call, claiming)
     if failures:
         raise RuntimeError(LOOP_FAILED)
 

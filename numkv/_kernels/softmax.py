@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "db1111842baf37a79fb7be13952efd3acaba095e333d83ba2bad88e716ec4144"
+HELPERS_SHA256 = "bd55f63684aa80f2a9afacd96eca12f3193fad7d621c846dd129d542920187d3"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
