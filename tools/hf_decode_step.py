@@ -177,6 +177,7 @@ def step_part(contexts, samples):
     impls = [("sdpa + DynamicCache", "sdpa", lambda ctx: DynamicCache(config=model.config)),
              ("numkv + KVCache float32", name, lambda ctx: nt.KVCache(model.config, 1, ctx + 8))]
     try:
+        model.set_attn_implementation(name)  # (a quantised KVCache checks that numkv reads it)
         nt.KVCache(model.config, 1, 64, dtype="q8_0")
         impls.append(("numkv + KVCache q8_0", name, lambda ctx: nt.KVCache(model.config, 1, ctx + 8, dtype="q8_0")))
     except TypeError as exc:
@@ -190,6 +191,7 @@ def step_part(contexts, samples):
     for ctx in contexts:
         caches = []
         for label, impl, make in impls:
+            model.set_attn_implementation(impl)
             cache = make(ctx)
             _fill(cache, model, ctx)
             clock.watch(cache)
