@@ -117,14 +117,14 @@ from .layout import (  # noqa: F401
     SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K,
     T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
-from .simd import LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _run, _view
+from .simd import LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _max, _min, _run, _view
 from .spin_wait import _join_workers, _post_jobs
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "8f3aba3413748a12d793c9c7267017938c6dca2fe3510166ea6f51097618cee3"
+HELPERS_SHA256 = "e4f76ce18960200b5c321593c7a489b5ddfea3c5c9eb20495b21adbaee4066c2"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -185,10 +185,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
         split = n_ch > 1
         partner = unit if split else n_qt - 1 - unit  # == unit: the middle tile of an odd count
         k_start = c * ints[CHUNK] if split else 0
-        k_stop = min(k_start + ints[CHUNK], ints[TOTAL]) if split else ints[TOTAL]
-        for qt_index in range(unit, partner + 1, max(partner - unit, 1)):
+        k_stop = _min(k_start + ints[CHUNK], ints[TOTAL]) if split else ints[TOTAL]
+        for qt_index in range(unit, partner + 1, _max(partner - unit, 1)):
             i0 = qt_index * bq
-            nq = min(bq, ints[Q_LEN] - i0)
+            nq = _min(bq, ints[Q_LEN] - i0)
             rows = group * nq
             acc = acc_all[:rows]
             # Each query's key interval; their union bounds the tiles loaded.
@@ -196,8 +196,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
             for i in range(nq):
                 lo[i], hi[i] = _row_bounds(i0 + i, offset[b], valid[b], ints[CAUSAL] != 0,
                                            ints[LEFT], ints[RIGHT])
-                t_lo = min(t_lo, max(lo[i], k_start))
-                t_hi = max(t_hi, min(hi[i], k_stop - 1))
+                t_lo = _min(t_lo, _max(lo[i], k_start))
+                t_hi = _max(t_hi, _min(hi[i], k_stop - 1))
             for r in range(rows):
                 m[r] = -np.inf
                 l[r] = 0.0
@@ -228,10 +228,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 use_blas = rows >= ints[BLAS_ROWS]
                 # Two segments: past keys, then new keys (a tile never straddles them).
                 for seg in range(2):
-                    seg_lo, seg_hi = (t_lo, min(t_hi, past - 1)) if seg == 0 else (max(t_lo, past), t_hi)
+                    seg_lo, seg_hi = (t_lo, _min(t_hi, past - 1)) if seg == 0 else (_max(t_lo, past), t_hi)
                     kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
                     for j0 in range(seg_lo, seg_hi + 1, bk):
-                        n = min(bk, seg_hi + 1 - j0)
+                        n = _min(bk, seg_hi + 1 - j0)
                         s = _as_rows(sbuf[:rows * n], n)
                         kr, ko, kld, kcode, k_in_place, failed = _kv_tile(
                             kbuf, ktile, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, loops, acc_code)

@@ -36,7 +36,7 @@ from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
                      F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
-from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _run, _view
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _min, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "8794e51fd49cd7960ca397e7450884a55aec0868445c9b69f926cde2e40d9887"
+HELPERS_SHA256 = "58c8dcb2fb2b0399acd73d251b46c364fb535f0f24110f722184843396a16c72"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -266,10 +266,10 @@ def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
     ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
     last_key = n - 1
     for j in range(0, n, 4):
-        keys = (j, min(j + 1, last_key), min(j + 2, last_key), min(j + 3, last_key))
+        keys = (j, _min(j + 1, last_key), _min(j + 2, last_key), _min(j + 3, last_key))
         k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
                 at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
-        count, s0, stride = min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
+        count, s0, stride = _min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
         r = 0
         while r + 4 <= rows:
             q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
@@ -338,14 +338,14 @@ def _add_values(pf, accf, vb, vo, vld, rows, n, d_v, prefetch, code):
         for j in range(0, n, run):
             w = np.uint64(r * n + j)
             _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
-                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), min(run, n - j),
+                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), _min(run, n - j),
                   d_v, code)
     for r in range(rows4, rows):
         j = 0
         while j < n:
             stop = j + 1
             if not _masked(pf[r * n + j]):
-                while stop < min(j + run, n) and not _masked(pf[r * n + stop]):
+                while stop < _min(j + run, n) and not _masked(pf[r * n + stop]):
                     stop += 1
                 _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
                       ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)

@@ -19,14 +19,14 @@ from numba.extending import overload
 
 from .._config import jit
 from .layout import BASE, BLOCK_Q, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, T_Y, V_HEAD_SIZE
-from .simd import _as_flat, _float32_from_bits, _maximum, _row_sum
+from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_sum
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): numba's disk cache
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "bd55f63684aa80f2a9afacd96eca12f3193fad7d621c846dd129d542920187d3"
+HELPERS_SHA256 = "238464122e133033223386765d4b900236fcd5c0247474e15807a3f8b4635923"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -52,7 +52,7 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
     for r in range(rows):
         i = r % nq
         if edge:
-            first, stop = max(lo[i] - j0, 0), min(hi[i] - j0 + 1, n)
+            first, stop = _max(lo[i] - j0, 0), _min(hi[i] - j0 + 1, n)
             for j in range(n):
                 if j < first or j >= stop:
                     s[r, j] = -inf

@@ -30,7 +30,7 @@ from .simd import _emit_loop, _emit_pause, _load_acquire, _pause, _store_release
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "bd55f63684aa80f2a9afacd96eca12f3193fad7d621c846dd129d542920187d3"
+HELPERS_SHA256 = "238464122e133033223386765d4b900236fcd5c0247474e15807a3f8b4635923"
 
 # How long a joined call's caller spins for its workers before it leaves the
 # waiting to Python (which sleeps): as ``pool.SPIN_POLLS``.
