@@ -112,10 +112,10 @@ from .format_loops import loop_table, read_in_place  # noqa: F401 (the wrapper's
 from .layout import (  # noqa: F401
     BASE, BATCH, BF16, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
     DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS,
-    FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT,
-    NAN_BITS, NAN_EM, NONE, NOT_STARTED, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
-    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS, TOTAL, T_K,
-    T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
+    FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
+    NONE, NOT_STARTED, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
+    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
+    TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
 from .simd import LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _max, _min, _run, _view
 from .spin_wait import _join_workers, _post_jobs
@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "e4f76ce18960200b5c321593c7a489b5ddfea3c5c9eb20495b21adbaee4066c2"
+HELPERS_SHA256 = "df027ed8855746e9c507b65aaac4eda31856ddd2cc98762544cf5625ea9fceec"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -104,8 +104,8 @@ def _integer_extreme(predicate, doc):
     return intrinsic(typer)
 
 
-_min = _integer_extreme("<", "The smaller of two integers, as int64 (numba's ``min`` compiles a function per pair of types).")
-_max = _integer_extreme(">", "The larger of two integers, as int64 (numba's ``max`` compiles a function per pair of types).")
+_min = _integer_extreme("<", "The smaller of two integers, as int64 (for ``min``: ``_integer_extreme``).")
+_max = _integer_extreme(">", "The larger of two integers, as int64 (for ``max``: ``_integer_extreme``).")
 
 
 def _as_i32(builder, value, ty):

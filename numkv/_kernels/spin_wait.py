@@ -13,8 +13,8 @@ threads: 78-86 us a call, against 57-61 without).  So a kernel run
 ``joined`` (``pool.run``) posts its workers' jobs itself, after the call
 has let go of the GIL (``_post_jobs``), and its caller waits for them
 before it takes the GIL back (``_join_workers``).  These two are written
-as IR: as numba functions inlined into the kernel they cost ~0.2 s of its
-first compilation.
+as IR: as numba functions (inlined into the kernel, with their callees)
+they cost a first call 0.3-0.5 s of compilation.
 """
 
 from llvmlite import ir
@@ -30,7 +30,7 @@ from .simd import _emit_loop, _emit_pause, _load_acquire, _pause, _store_release
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "238464122e133033223386765d4b900236fcd5c0247474e15807a3f8b4635923"
+HELPERS_SHA256 = "a4735f2c1b86a09889fd9ff57f0559952b530770d8c849be0ca58589b8042b41"
 
 # How long a joined call's caller spins for its workers before it leaves the
 # waiting to Python (which sleeps): as ``pool.SPIN_POLLS``.
