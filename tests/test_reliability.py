@@ -17,11 +17,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import numkv
+from numkv._kernels.layout import CALLED_OFF
 from numkv._runtime import pool, thread_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # this checkout's numkv
@@ -143,6 +145,52 @@ def test_a_worker_that_starts_late_is_called_off(default_threads):
         other.join()
     np.testing.assert_array_equal(y, want)
     np.testing.assert_array_equal(numkv.attention(q, k, v), want)  # the worker took the next call's share
+
+
+def test_a_called_off_share_does_not_stand_in_for_a_running_one(default_threads, monkeypatch):
+    """Three threads: one worker is busy elsewhere and is called off, the
+    other takes items and is slow to come back.  The call returns only once
+    the slow one has (a called-off share once put a result the caller took
+    for the running share's, and the call returned while it still ran)."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 32, 1, 128), np.float32)
+    k, v = (rng.standard_normal((1, 8, 8192, 128), np.float32) for _ in range(2))  # ~2 ms: the first worker starts
+    numkv.set_num_threads(1)
+    want = numkv.attention(q, k, v)
+    numkv.set_num_threads(3)
+    busy, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def blocker(first, stop):
+        if first == 2:  # the second worker's share
+            busy.set()
+            release.wait(20)
+
+    run = pool.run
+
+    def slow_first_worker(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
+        def kernel_(first, stop, *a):
+            kernel(first, stop, *a)
+            call, role = a[-2:]
+            if role == 1:  # the first worker, once its items are done
+                deadline = time.monotonic() + 30
+                while call[2] != CALLED_OFF and time.monotonic() < deadline:  # (the caller's end calls it off)
+                    time.sleep(1e-4)
+                release.set()  # the second finds its share called off
+                time.sleep(0.3)
+                returned.set()
+        return run(kernel_, n_items, args, small, claimed, max_threads, joined)
+
+    other = threading.Thread(target=pool.run, args=(blocker, 3, ()))
+    other.start()
+    try:
+        assert busy.wait(60)
+        monkeypatch.setattr(pool, "run", slow_first_worker)
+        y = numkv.attention(q, k, v)
+        assert returned.is_set()
+    finally:
+        release.set()
+        other.join()
+    np.testing.assert_array_equal(y, want)
 
 
 # -- Python threads -------------------------------------------------------------

@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "df027ed8855746e9c507b65aaac4eda31856ddd2cc98762544cf5625ea9fceec"
+HELPERS_SHA256 = "2647c6038eca35acdfa541d171466c566f40767772db5821b4e816527bf43016"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     ``role`` are the pool's (``spin_wait``)."""
     if role == 0:
         _post_jobs(flags, call)
-    elif not _compare_exchange(call, role, NOT_STARTED, STARTED):  # called off: every item is taken
+    elif not _compare_exchange(call, role, NOT_STARTED, STARTED):  # called off: the caller has finished
         return
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
     group = ints[Q_HEADS] // ints[KV_HEADS]

@@ -1,6 +1,6 @@
 """Spin-waiting for numkv's thread pool: a short wait on a flag, without the GIL.
 
-Waking a sleeping thread costs ~50 us on a virtual machine (measured: an
+Waking a sleeping thread costs 25-50 us on a virtual machine (measured: an
 empty job handed to a pool worker came back in 115 us when the caller slept
 until it was done, 27 us when the caller spun), so a caller that expects its
 workers to finish soon spins first, with the CPU's pause hint, then sleeps;

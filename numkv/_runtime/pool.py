@@ -16,15 +16,15 @@ persistent worker threads and runs the first on the calling thread.  Why:
   the OpenMP or TBB settings that torch shares;
 * idle workers block on a queue.  Only a worker whose jobs come close
   together (one within ``IDLE_SPIN_SECONDS`` of the last) watches for the
-  next a while before it sleeps: waking a sleeping thread costs ~25 us on a
-  VM, a good part of a small call, while a worker called now and then spins
+  next a while before it sleeps: waking a sleeping thread costs 25-50 us on
+  a VM, a good part of a small call, while a worker called now and then spins
   not at all, so a machine busy with other work (torch's own threads
   between two attention calls) loses no time to it;
 * a kernel run ``joined`` (the attention kernel) takes part: it posts its
   workers' jobs and waits for them without the GIL (``_kernels.spin_wait``:
   a thread that waits for the GIL sleeps), and where it claims its items,
   its caller calls off the workers that have not started by the time every
-  item is taken: a worker that wakes late costs nothing;
+  item is taken: a worker that wakes late costs the call nothing;
 * the thread count is numkv's own (``numkv.set_num_threads``), process-wide.
 
 Work items are independent and each is computed the same way whichever thread
@@ -67,8 +67,9 @@ class _Pool:
         self.finished = self.flags[self.flags.size // 2:]
 
     def submit(self, jobs, post=True):
-        """Hand ``jobs[i] = (kernel, first, stop, args, done)`` to worker
-        ``i`` and, ``post``, tell it so (a joined kernel does that itself);
+        """Hand ``jobs[i] = (kernel, first, stop, args, done, state)`` to
+        worker ``i`` (``state``: a joined call's ``(call, role)``, else
+        None) and, ``post``, tell it so (a joined kernel does that itself);
         returns the sequence number the workers write when each is done."""
         with self._lock:  # sequence numbers reach each worker in order
             while len(self._inboxes) < len(jobs):
@@ -105,14 +106,18 @@ def _work(inbox, slot, flags):
         # that sees it does not wait for it); then, where jobs come close
         # together, watches for the next.
         signal_then_wait(flags, finished, sequence, slot, sequence + 1, IDLE_SPIN_POLLS if close else 0)
-        kernel, first, stop, args, done, sequence = inbox.get()
+        kernel, first, stop, args, done, state, sequence = inbox.get()
         close = time.perf_counter() - last < IDLE_SPIN_SECONDS
         try:
             kernel(first, stop, *args)
         except BaseException as exc:  # handed to the caller, which re-raises it
             done.put(exc)
         else:
-            done.put(None)
+            # A share the caller called off (a joined kernel returns at once)
+            # puts nothing: the caller waits for one put per share it did not
+            # call off, and another's would stand in for a share still running.
+            if state is None or state[0][state[1]] != CALLED_OFF:
+                done.put(None)
         last = time.perf_counter()
 
 
@@ -149,7 +154,8 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, joi
 
     done = queue.SimpleQueue()
     call = np.zeros(threads, np.int64)  # (joined) the sequence number, then each worker's state
-    sequence = _pool.submit([(kernel, first, stop, (*args, _pool.flags, call, worker) if joined else args, done)
+    sequence = _pool.submit([(kernel, first, stop, (*args, _pool.flags, call, worker) if joined else args, done,
+                              (call, worker) if joined else None)
                              for worker, (first, stop) in enumerate(shares[1:], 1)], post=not joined)
     call[0] = sequence
     error = None
@@ -159,9 +165,12 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, joi
         error = exc
     try:
         for worker in range(threads - 1):
-            if joined and call[worker + 1] == CALLED_OFF:  # by the kernel's end (a failed one waits for all)
+            # Called off by the kernel's end (a kernel that raised before it
+            # called none off).  A joined kernel has spun for the others already.
+            if joined and call[worker + 1] == CALLED_OFF:
                 continue
-            signal_then_wait(_pool.flags, -1, 0, _pool.flags.size // 2 + worker * FLAG_SLOT, sequence, SPIN_POLLS)
+            signal_then_wait(_pool.flags, -1, 0, _pool.flags.size // 2 + worker * FLAG_SLOT, sequence,
+                             0 if joined else SPIN_POLLS)
             failed = done.get()  # at once after a successful spin
             error = error or failed
     except BaseException as exc:  # Ctrl-C while waiting
