@@ -154,15 +154,16 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, joi
 
     done = queue.SimpleQueue()
     call = np.zeros(threads, np.int64)  # (joined) the sequence number, then each worker's state
-    sequence = _pool.submit([(kernel, first, stop, (*args, _pool.flags, call, worker) if joined else args, done,
-                              (call, worker) if joined else None)
-                             for worker, (first, stop) in enumerate(shares[1:], 1)], post=not joined)
-    call[0] = sequence
-    error = None
-    try:
+    jobs = [(kernel, first, stop, (*args, _pool.flags, call, worker) if joined else args, done,
+             (call, worker) if joined else None) for worker, (first, stop) in enumerate(shares[1:], 1)]
+    error = sequence = None
+    try:  # (from the hand-out on: a Ctrl-C after it still waits for the shares below)
+        sequence = call[0] = _pool.submit(jobs, post=not joined)
         kernel(*shares[0], *args, *((_pool.flags, call, 0) if joined else ()))
     except BaseException as exc:
         error = exc
+    if sequence is None:  # nothing handed out
+        raise error
     try:
         for worker in range(threads - 1):
             # Called off by the kernel's end (a kernel that raised before it
