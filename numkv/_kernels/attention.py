@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "2647c6038eca35acdfa541d171466c566f40767772db5821b4e816527bf43016"
+HELPERS_SHA256 = "db475a67aef610c928f89fc2725e85659083e8d2443708498f0a32102e981023"
 
 
 # -- work items --------------------------------------------------------------------------

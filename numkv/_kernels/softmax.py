@@ -26,7 +26,7 @@ from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "a4735f2c1b86a09889fd9ff57f0559952b530770d8c849be0ca58589b8042b41"
+HELPERS_SHA256 = "9305b3c0304fe1fdff831d6a155f97bba68707f3337f8459d5a46d2368051fbe"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
