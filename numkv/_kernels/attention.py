@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "db475a67aef610c928f89fc2725e85659083e8d2443708498f0a32102e981023"
+HELPERS_SHA256 = "0d8f052de134d762a694ac2a1847d6192a8b2b429ae86eff9df32fd4ddeb7de3"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -167,6 +167,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     # K and V tiles: raw bytes as the loops read them, and their float views.
     kbuf, vbuf = np.empty(bk * d_k * y.itemsize, np.uint8), np.empty(bk * d_v * y.itemsize, np.uint8)
     ktile, vtile = _view(kbuf, y), _view(vbuf, y)
+    kt = np.empty(bk * d_k if rows_max >= ints[BLAS_ROWS] else 0, dt)  # K transposed, for the tile products
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     # (a 2-D np.empty would compile a function of its own: 0.05 s)
@@ -241,7 +242,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         # s = Q K^T: BLAS for many rows, else the loops of K's format.
                         failures += failed + _run(
                             loops[acc_code, BLAS_SCORES] if use_blas else loops[kcode, SCORES],
-                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, ints[GEMM_LIMIT], ints[GEMM_FN], edge, 0))
+                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, kt, hi, nq, j0, edge, 0))
                         failures += _run(  # softmax._softmax_tile
                             loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],
                             (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
@@ -258,7 +259,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         # finite to the loops), else the loops of V's format.
                         failures += failed + _run(
                             loops[acc_code, BLAS_VALUES] if use_blas else loops[vcode, VALUES],
-                            (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, ints[GEMM_LIMIT], ints[GEMM_FN], edge,
+                            (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, kt, hi, nq, j0, edge,
                              loops[acc_code, VALUES]))
 
             chunks = 0  # unsplit: Y's rows from acc and l

@@ -38,16 +38,26 @@ def has_vbmi():
     return {"+avx512f", "+avx512bw", "+avx512vbmi"} <= _target_features()
 
 
+def has_avx512():
+    """Whether numba compiles for a CPU with AVX-512 (32 vector registers of
+    64 bytes; else AVX2's 16 of 32 bytes): the register block of the tile
+    products (``gemm``)."""
+    if "avx512" in _forced:
+        return _forced["avx512"]
+    return "+avx512f" in _target_features()
+
+
 @contextlib.contextmanager
 def forcing(**features):
-    """Within the block, ``has_f16c()`` answers ``features["f16c"]`` and
-    ``has_vbmi()`` ``features["vbmi"]`` (those given).  For tests, around
+    """Within the block, ``has_f16c()`` answers ``features["f16c"]``,
+    ``has_vbmi()`` ``features["vbmi"]`` and ``has_avx512()``
+    ``features["avx512"]`` (those given).  For tests, around
     the compilation of a *fresh* dispatcher without a disk cache (e.g.
     ``numba.njit(kernel.py_func)``): a cached kernel compiled inside would
     keep the forced choice on disk.  Machine code that uses a feature the CPU
     lacks must not run (nor, for AVX-512, be made into machine code by an
     LLVM that targets the CPU: read its LLVM IR)."""
-    unknown = set(features) - {"f16c", "vbmi"}
+    unknown = set(features) - {"f16c", "vbmi", "avx512"}
     if unknown:
         raise ValueError(f"unknown CPU features {sorted(unknown)}")
     saved = dict(_forced)

@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "2478f76513de60211401b4264dd7adce3d05e95621f4f415fa2410fc02d41c7e"
+HELPERS_SHA256 = "5407e037c41599adcf9ef1026126453afffa3d16a85ec3cc6dfebaf6c5a500e0"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -121,12 +121,15 @@ def _compile(acc, code, field):
     # The products' arguments: the left operand (Q, or the weights P), the
     # scores or the accumulators, the K or V bytes, where the rows start and
     # lie apart, the rows, the keys, the row width, whether to prefetch
-    # (the cache itself), BLAS' split and function, whether some key of the
-    # tile is masked, and the loops' C function of the accumulation dtype.
-    PRODUCT_ARGS = (rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, *[i64] * 10)  # noqa: N806
+    # (the cache itself), scratch for K transposed (the tile products'),
+    # each query's last key, the queries, the tile's first key, whether some
+    # key of the tile is masked, and the loops' C function of the
+    # accumulation dtype.
+    PRODUCT_ARGS = (rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, *[i64] * 6, rows_ptr, i64,  # noqa: N806
+                    types.CPointer(i64), i64, i64, i64, i64, i64)
     if field == SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
+        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
                    loop):
             _score_keys(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
@@ -134,7 +137,7 @@ def _compile(acc, code, field):
         return scores
     if field == VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
+        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
                    loop):
             _add_values(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
@@ -142,27 +145,26 @@ def _compile(acc, code, field):
         return values
     if field == BLAS_SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, gemm_limit, gemm_fn, edge,
+        def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
                         loop):
-            queries = _as_rows(_array(q, q_size), d_k)
-            _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _as_rows(_array(s, s_size), n), rows, n,
-                         gemm_limit, gemm_fn)
+            queries = _array(q, q_size)
+            _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _array(s, s_size), rows, n, d_k,
+                         _array(scratch, scratch_size), _array(hi, hi_size), nq, j0)
             return 1
         return blas_scores
     if field == BLAS_VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
+        def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
                         loop):
-            weights, sums = _as_rows(_array(p, p_size), n), _as_rows(_array(acc, acc_size), d_v)
-            raw = _array(v, v_size)
+            weights, sums, raw = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
             values = _view(raw, weights)
-            # BLAS' product cannot leave masked keys out (0 * inf is NaN):
+            # The tile product cannot leave masked keys out (0 * inf is NaN):
             # where the tile has some and its V is not all finite, the loops
             # (at ``loop``) take it.
             if edge and not _all_finite(values, vo, vld, n, d_v):
-                return 1 - _run(loop, (weights, sums, raw, vo, vld, rows, n, d_v, prefetch, gemm_limit, gemm_fn, edge,
-                                       loop))
-            _gemm_accumulate(weights, values, vo, vld, sums, rows, n, gemm_limit, gemm_fn)
+                return 1 - _run(loop, (weights, sums, raw, vo, vld, rows, n, d_v, prefetch,
+                                       _array(scratch, scratch_size), _array(hi, hi_size), nq, j0, edge, loop))
+            _gemm_accumulate(weights, values, vo, vld, sums, rows, n, d_v, _array(hi, hi_size), nq, j0)
             return 1
         return blas_values
     if field in (SOFTMAX, BLAS_SOFTMAX):

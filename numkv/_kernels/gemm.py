@@ -1,106 +1,248 @@
-"""Matrix products by BLAS for the kernels: many query rows (prefill) score
-their keys and update their accumulators with ``sgemm``/``dgemm`` called
-from jitted code (``_gemm``), on rows read in place wherever they lie.
+"""Matrix products for prefill's tiles, in LLVM IR: ``S = Q K^T`` and
+``acc += P V`` of a work item's query rows against a tile of keys
+(``_gemm_scores``, ``_gemm_accumulate``).
 
-A matrix product written as a numba loop reaches a quarter of what BLAS
-reaches on the same tile (measured: 94 vs 231 GFLOP/s on 2 cores, 218 vs
-872-955 on 16).
+Register blocks, as BLAS kernels and ggml's are made: a block of ``MR``
+rows by ``NR`` columns of the product is held in registers while the
+inner dimension runs, each step one broadcast element of each row times
+``NR / lanes`` vectors of the right operand (``_block_product``).  The
+left operand's rows are read where they lie (a broadcast needs no
+packing); the right one's rows are vectors: V's rows as they lie in the
+cache, and K's tile transposed once (``_transpose``), ``d x n``.
+BLAS packs both operands on every call; on the tile shapes of a prefill
+(512 rows x 256 keys x 128) that packing was 7.5% of a causal prefill's
+time, and OpenBLAS' sgemm, packing included, took 335-345 us a product
+on one core of a Zen 4 against 293-296 us for these blocks (2-core EPYC,
+numpy's OpenBLAS, medians of 7).
+
+Each result is one chain of FMAs along the inner dimension, in order:
+its bits depend on its row and column only, not on the block, the tile
+or the thread that made it.
 """
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
-from numpy.lib.stride_tricks import as_strided
 
 from .._config import jit
+from .cpu import has_avx512
+from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max, _min, _phis, _splat
+
+# Rows of a register block; its columns are ``BLOCK_VECTORS`` vectors:
+# 6 x 64 float32 (24 of AVX-512's 32 registers hold the block), 6 x 16 on
+# AVX2 (12 of 16).  Of 6, 8, 12 and 14 rows x 32 columns and 6 x 64 on the
+# 2-core EPYC, 6 x 64 was fastest (296 / 293 us the two products above, 8
+# x 32 304 / 295 us; the others between).
+BLOCK_ROWS = 6
 
 
-
-@jit(inline=True)
-def _rows_view(flat, at, ld, n, width):
-    """``(n, width)`` view of rows ``ld`` apart from ``flat[at]`` (for BLAS)."""
-    item = flat.itemsize
-    return as_strided(flat[at:], (n, width), (ld * item, item))
+def _block_vectors():
+    """``(lanes a vector holds in bytes, vectors a block row)``: AVX-512's
+    registers or AVX2's."""
+    return (64, 4) if has_avx512() else (32, 2)
 
 
 @intrinsic
-def _gemm(typingctx, a, b, c, beta, trans_b, fn):
-    """``c = a @ (b.T if trans_b else b) + beta * c`` for 2-D float arrays with
-    unit-stride rows (any distance apart), by BLAS ``sgemm``/``dgemm``: the
-    Fortran-ABI function at address ``fn`` (numkv's own OpenBLAS,
-    ``numkv._runtime.blas``), or where ``fn`` is 0 the ``numba_xxgemm``
-    helper numba's own ``np.dot`` calls (SciPy's BLAS).  Both are found at
-    run time, so the kernel stays in numba's disk cache.  Unlike ``np.dot``
-    it accumulates (``beta``) and reads strided rows in place."""
-    if not all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype == c.dtype for x in (a, b, c)):
-        return None
-    if not isinstance(fn, types.Integer):
+def _block_columns(typingctx, flat):
+    """The columns of a register block of ``flat``'s dtype (a constant)."""
+    if not (isinstance(flat, types.Array) and isinstance(flat.dtype, types.Float)):
         return None
 
     def codegen(context, builder, sig, args):
-        from numba.np.linalg import ensure_blas
+        vector_bytes, vectors = _block_vectors()
+        lanes = vector_bytes // context.get_abi_sizeof(context.get_value_type(sig.args[0].dtype))
+        return context.get_constant(types.int64, lanes * vectors)
 
-        dtype = sig.args[2].dtype
-        char, int32, intp = ir.IntType(8), ir.IntType(32), context.get_value_type(types.intp)
-        voidp = char.as_pointer()
-        a_, b_, c_ = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_value_type(dtype)))
+    return types.int64(flat), codegen
 
-        def ld(ary):  # the distance between rows, in elements
-            return builder.sdiv(cgutils.unpack_tuple(builder, ary.strides)[0], itemsize)
 
-        m, k = cgutils.unpack_tuple(builder, a_.shape)
-        n = cgutils.unpack_tuple(builder, c_.shape)[1]
-        one = cgutils.alloca_once_value(builder, context.get_constant(dtype, 1.0))
-        beta_ = cgutils.alloca_once_value(builder, context.cast(builder, args[3], sig.args[3], dtype))
-        transpose = context.cast(builder, args[4], sig.args[4], types.boolean)
-        op_b = builder.select(transpose, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
-        address = context.cast(builder, args[5], sig.args[5], types.intp)
-        # BLAS is column-major: there the product is c^T = op(b)^T a^T.
-        ldb, lda, ldc = ld(b_), ld(a_), ld(c_)
-        one_p, b_p, a_p, beta_p, c_p = (builder.bitcast(x, voidp) for x in (one, b_.data, a_.data, beta_, c_.data))
-        with builder.if_else(builder.icmp_signed("==", address, ir.Constant(intp, 0))) as (helper, own):
-            with helper:
-                ensure_blas()
-                fnty = ir.FunctionType(int32, [char, char, char, intp, intp, intp, voidp, voidp, intp,
-                                               voidp, intp, voidp, voidp, intp])
-                xxgemm = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
-                kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
-                builder.call(xxgemm, (kind, op_b, ir.Constant(char, ord("n")), n, m, k,
-                                      one_p, b_p, ldb, a_p, lda, beta_p, c_p, ldc))
-            with own:  # Fortran ABI: every argument by pointer, LP64 integers
-                def ref(value):
-                    return cgutils.alloca_once_value(builder, value)
+def _block_product(add):
+    """An intrinsic: ``c[c_at + r * ldc + j] (+)= sum over t < k of
+    a[a_at + r * lda + t] * b[b_at + t * ldb + j]`` for ``r < rows <=
+    BLOCK_ROWS``, ``j < cols <= _block_columns`` (flat float arrays of one
+    dtype; ``add``: accumulate into ``c``, else overwrite it).  The block
+    lives in registers while ``t`` runs; a block of fewer rows repeats its
+    last row's (not stored), one of fewer columns masks its loads and
+    stores (no element past ``cols`` is read or written)."""
+    def typer(typingctx, c, c_at, ldc, a, a_at, lda, b, b_at, ldb, k, rows, cols):
+        arrays, ints = (c, a, b), (c_at, ldc, a_at, lda, b_at, ldb, k, rows, cols)
+        if not (all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == c.dtype for x in arrays)
+                and isinstance(c.dtype, types.Float) and all(isinstance(x, types.Integer) for x in ints)):
+            return None
 
-                int_p = int32.as_pointer()
-                fnty = ir.FunctionType(ir.VoidType(), [voidp, voidp, int_p, int_p, int_p, voidp, voidp, int_p,
-                                                       voidp, int_p, voidp, voidp, int_p])
-                gemm = builder.inttoptr(address, fnty.as_pointer())
-                nn, mm, kk, ldb_, lda_, ldc_ = (ref(builder.trunc(x, int32)) for x in (n, m, k, ldb, lda, ldc))
-                builder.call(gemm, (ref(op_b), ref(ir.Constant(char, ord("n"))), nn, mm, kk,
-                                    one_p, b_p, ldb_, a_p, lda_, beta_p, c_p, ldc_))
-        return context.get_dummy_value()
+        def codegen(context, builder, sig, args):
+            real = context.get_value_type(sig.args[0].dtype)
+            vector_bytes, n_vectors = _block_vectors()
+            lanes = vector_bytes // _BYTES[str(real)]
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            vec = ir.VectorType(real, lanes)
+            align = ir.Constant(i32, _BYTES[str(real)])
+            c_, a_, b_ = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 3, 6))
+            c_at, ldc, a_at, lda, b_at, ldb, k, rows, cols = (
+                context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5, 7, 8, 9, 10, 11))
+            fma = _fmuladd(builder, vec)
+            last = builder.sub(rows, ir.Constant(i64, 1))
+            a_rows = []
+            for r in range(BLOCK_ROWS):  # rows past the block's repeat its last
+                row = ir.Constant(i64, r)
+                row = builder.select(builder.icmp_signed("<", row, rows), row, last)
+                a_rows.append(builder.gep(a_, [builder.add(a_at, builder.mul(row, lda))]))
+            b_row = builder.gep(b_, [b_at])
+            masks = [builder.icmp_signed("<", ir.Constant(ir.VectorType(i64, lanes), [v * lanes + t for t in range(lanes)]),
+                                         _broadcast(builder, cols, lanes)) for v in range(n_vectors)]
+            masked_load, masked_store = _masked_memory(builder, "load", vec), _masked_memory(builder, "store", vec)
+            zero = _splat(vec, 0.0)
 
-    return types.void(a, b, c, beta, trans_b, fn), codegen
+            def vector_at(row, v):
+                return builder.bitcast(builder.gep(row, [ir.Constant(i64, v * lanes)]), vec.as_pointer())
+
+            def product(masked):
+                def step(t, accs):
+                    b_t = builder.gep(b_row, [builder.mul(t, ldb)])
+                    if masked:
+                        bv = [builder.call(masked_load, [vector_at(b_t, v), align, masks[v], zero])
+                              for v in range(n_vectors)]
+                    else:
+                        bv = [builder.load(vector_at(b_t, v), align=align.constant) for v in range(n_vectors)]
+                    out = []
+                    for r in range(BLOCK_ROWS):
+                        x = _broadcast(builder, builder.load(builder.gep(a_rows[r], [t])), lanes)
+                        out += [builder.call(fma, [x, bv[v], accs[r * n_vectors + v]]) for v in range(n_vectors)]
+                    return out
+
+                return _emit_loop(builder, ir.Constant(i64, 0), k, 1, [zero] * (BLOCK_ROWS * n_vectors), step)
+
+            full = builder.icmp_signed("==", cols, ir.Constant(i64, lanes * n_vectors))
+            with builder.if_else(full, likely=True) as (whole, part):
+                with whole:
+                    whole_accs, whole_end = product(False), builder.block
+                with part:
+                    part_accs, part_end = product(True), builder.block
+            accs = _phis(builder, [(whole_accs, whole_end), (part_accs, part_end)])
+            for r in range(BLOCK_ROWS):
+                def store(r=r):
+                    row = builder.gep(c_, [builder.add(c_at, builder.mul(ir.Constant(i64, r), ldc))])
+                    for v in range(n_vectors):
+                        value, ptr = accs[r * n_vectors + v], vector_at(row, v)
+                        if add:
+                            value = builder.fadd(builder.call(masked_load, [ptr, align, masks[v], zero]), value)
+                        builder.call(masked_store, [value, ptr, align, masks[v]])
+                if r == 0:
+                    store()
+                else:
+                    with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, r), rows)):
+                        store()
+            return context.get_dummy_value()
+
+        return types.none(c, c_at, ldc, a, a_at, lda, b, b_at, ldb, k, rows, cols), codegen
+
+    return intrinsic(typer)
+
+
+_block_set = _block_product(add=False)
+_block_add = _block_product(add=True)
+
+
+@intrinsic
+def _transpose_blocks(typingctx, src, at, ld, n, width, dst):
+    """``dst[d * n + j] = src[at + j * ld + d]`` for ``j < n - n % L``, ``d <
+    width - width % L`` (``L`` lanes of a vector: 16 float32): blocks of ``L``
+    rows loaded as vectors, transposed in registers by ``log2(L)`` rounds of
+    two-vector shuffles (each round swaps one bit of the row index with
+    that bit of the lane index), stored as vectors.  (A loop of elements
+    took 20 us a 256 x 128 float32 tile, 7% of its product.)"""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.dtype == dst.dtype
+            and isinstance(src.dtype, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        real = context.get_value_type(sig.args[0].dtype)
+        lanes = _block_vectors()[0] // _BYTES[str(real)]
+        i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, lanes)
+        src_, dst_ = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 5))
+        at, ld, n, width = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 3, 4))
+        whole = ir.Constant(i64, -lanes)
+        n_whole, width_whole = builder.and_(n, whole), builder.and_(width, whole)
+
+        def block(j, _):
+            def inner(d, __):
+                rows = []
+                for r in range(lanes):
+                    row = builder.add(at, builder.add(builder.mul(builder.add(j, ir.Constant(i64, r)), ld), d))
+                    rows.append(builder.load(builder.bitcast(builder.gep(src_, [row]), vec.as_pointer()),
+                                             align=_BYTES[str(real)]))
+                h = lanes // 2
+                while h:
+                    low = [t if t & h == 0 else lanes + t - h for t in range(lanes)]
+                    high = [t + h if t & h == 0 else lanes + t for t in range(lanes)]
+                    for i in range(lanes):
+                        if i & h == 0:
+                            a, b = rows[i], rows[i | h]
+                            rows[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, lanes), low))
+                            rows[i | h] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, lanes), high))
+                    h //= 2
+                for r in range(lanes):
+                    out = builder.add(builder.mul(builder.add(d, ir.Constant(i64, r)), n), j)
+                    builder.store(rows[r], builder.bitcast(builder.gep(dst_, [out]), vec.as_pointer()),
+                                  align=_BYTES[str(real)])
+                return []
+
+            _emit_loop(builder, ir.Constant(i64, 0), width_whole, lanes, [], inner)
+            return []
+
+        _emit_loop(builder, ir.Constant(i64, 0), n_whole, lanes, [], block)
+        return context.get_constant(types.int64, lanes)
+
+    return types.int64(src, at, ld, n, width, dst), codegen
 
 
 @jit(inline=True)
-def _gemm_scores(qt, kf, ko, kld, s, rows, n, gemm_limit, gemm_fn):
-    """``s = qt K^T`` by BLAS, split along d so that each product stays within
-    ``gemm_limit``."""
-    d_k = qt.shape[1]
-    kt = _rows_view(kf, ko, kld, n, d_k)
-    part = max(1, min(d_k, gemm_limit // (rows * n)))
-    for d0 in range(0, d_k, part):
-        _gemm(qt[:, d0:d0 + part], kt[:, d0:d0 + part], s, 0.0 if d0 == 0 else 1.0, True, gemm_fn)
+def _transpose(src, at, ld, n, width, dst):
+    """``dst[d * n + j] = src[at + j * ld + d]``: ``n`` rows of ``width``
+    into ``width`` rows of ``n``."""
+    lanes = _transpose_blocks(src, at, ld, n, width, dst)
+    n_whole, width_whole = n - n % lanes, width - width % lanes
+    for d in range(width):  # what the blocks left: the last rows, the last columns
+        for j in range(n_whole if d < width_whole else 0, n):
+            dst[d * n + j] = src[at + j * ld + d]
 
 
 @jit(inline=True)
-def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, gemm_limit, gemm_fn):
-    """``acc += p V`` by BLAS, split as ``_gemm_scores``."""
-    d_v = acc.shape[1]
-    vt = _rows_view(vf, vo, vld, n, d_v)
-    part = max(1, min(d_v, gemm_limit // (rows * n)))
-    for d0 in range(0, d_v, part):
-        _gemm(p, vt[:, d0:d0 + part], acc[:, d0:d0 + part], 1.0, False, gemm_fn)
+def _last_key(hi, i, rows, nq):
+    """The last key any of rows ``i .. i + BLOCK_ROWS`` (of ``rows``)
+    attends: row ``r`` is query ``r % nq``, whose last key is ``hi[r % nq]``."""
+    last = hi[i % nq]
+    for r in range(i + 1, _min(i + BLOCK_ROWS, rows)):
+        last = _max(last, hi[r % nq])
+    return last
+
+
+@jit(inline=True)
+def _gemm_scores(q, kf, ko, kld, s, rows, n, d_k, kt, hi, nq, j0):
+    """``s = q K^T`` (``rows`` rows of ``n`` in ``s``, of ``d_k`` in ``q``),
+    K the ``n`` rows of ``kf`` from ``ko``, ``kld`` apart, keys ``j0 ..``;
+    ``kt`` (at least ``d_k * n``) takes K transposed.  A block of keys past
+    every one its rows attend (``hi``, ``_last_key``: the causal triangle)
+    is left as it was: the softmax masks those scores."""
+    _transpose(kf, ko, kld, n, d_k, kt)
+    columns = _block_columns(kt)
+    for j in range(0, n, columns):
+        for i in range(0, rows, BLOCK_ROWS):
+            if j0 + j <= _last_key(hi, i, rows, nq):
+                _block_set(s, i * n + j, n, q, i * d_k, d_k, kt, j, n, d_k, _min(BLOCK_ROWS, rows - i),
+                           _min(columns, n - j))
+
+
+@jit(inline=True)
+def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, d_v, hi, nq, j0):
+    """``acc += p V`` (``rows`` rows of ``d_v`` in ``acc``, of ``n`` in
+    ``p``), V the ``n`` rows of ``vf`` from ``vo``, ``vld`` apart, keys
+    ``j0 ..``; a block of rows stops at the last key they attend (their
+    weights past it are 0, and V is finite there: ``format_loops``)."""
+    columns = _block_columns(vf)
+    for i in range(0, rows, BLOCK_ROWS):
+        keys = _min(n, _last_key(hi, i, rows, nq) - j0 + 1)
+        if keys > 0:
+            for j in range(0, d_v, columns):
+                _block_add(acc, i * d_v + j, d_v, p, i * n, n, vf, vo + j, vld, keys, _min(BLOCK_ROWS, rows - i),
+                           _min(columns, d_v - j))
