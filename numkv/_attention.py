@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _config
-from ._runtime import blas, pool
+from ._runtime import pool
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
 from ._kernels.layout import Q8_0, QUANT_FORMATS  # (plain Python: numba loads with the kernels)
@@ -34,19 +34,14 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # Tile policy.  A work item scores ``G * block_q`` query rows at once
 # against ``block_k`` keys a tile.
 #
-# * Prefill: with at least ``BLAS_MIN_ROWS`` rows, the two products of a tile
-#   are BLAS gemm calls.  Where that BLAS runs on one thread (numkv's own
-#   OpenBLAS does, ``_runtime.blas``), whole: 512 rows x 256 keys measured
-#   best of 128-512 x 128-512 (Hq=32, Hkv=8, D=128, 2 threads: causal
-#   S=2048 338 ms, full S=1024 143 ms, against 499 and 218 ms with the split
-#   products below; a later sweep of full S=1024 found 128-512 rows x
-#   128-512 keys within 126-142 ms, noise); the rows halve,
-#   down to ``MIN_ROWS_PER_TILE``, while there are fewer than
-#   ``TARGET_BLAS_ITEMS`` tiles (causal S=512: 256 rows, 26 ms).
-# * Where BLAS may start threads of its own, each product is split along the
-#   head size to stay within ``GEMM_MNK_LIMIT``: OpenBLAS runs a gemm of
-#   M*N*K <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4) on the calling thread and
-#   never starts threads inside numkv's.  Smaller tiles suit that.
+# * Prefill: with at least ``GEMM_MIN_ROWS`` rows, the two products of a tile
+#   are register-blocked matrix products (``_kernels.gemm``), 512 rows x 256
+#   keys.  Hq=32 Hkv=8 D=128, 2 threads, 2-core EPYC, medians of 5 (ms;
+#   rows x keys): causal S=2048 256 x 128 199.7, 256 x 256 185.1, 512 x 256
+#   190.0, 512 x 512 188.6, 1024 x 256 185.1; full S=1024 86.2-93.9 from
+#   256 to 512 rows, 95.2-102.4 with 1024; causal S=512 13.4-14.1 but 1024
+#   x 128 (16.0).  The rows halve, down to ``MIN_ROWS_PER_TILE``, while
+#   there are fewer than ``TARGET_GEMM_ITEMS`` tiles.
 # * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile:
 #   fewer, longer tiles spread the softmax's per-tile work (2 threads,
 #   medians of 15 interleaved; 64 / 128 / 256 keys: decode Skv=16384
@@ -57,7 +52,7 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
 #   items (>= 4 per thread up to 64 threads) of chunks of at least
 #   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
-#   gain); ``TARGET_BLAS_ITEMS`` for BLAS tiles, whose causal pairs balance
+#   gain); ``TARGET_GEMM_ITEMS`` for matrix-product tiles, whose causal pairs balance
 #   already (a split full prefill S=1024 cost 198 against 160 ms).  Small
 #   calls (below) keep the key range whole.  Whether and where the keys are
 #   split depends on the shapes only: results do not depend on the thread
@@ -87,11 +82,10 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   / 329 / 605, D=128 Skv=4096 (33.5M) 1963 / 1141 / 837 / 605 / 774,
 #   Skv=16384 (134M) 10424 / 5229 / 2374 / 1509 / 1386.  The rule takes 2,
 #   2, 8 and 16 of them; on 2 cores it changes nothing.
-BLAS_MIN_ROWS = 16
-ROWS_PER_TILE, MIN_ROWS_PER_TILE, BLAS_BLOCK_K = 512, 128, 256
-SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K, GEMM_MNK_LIMIT = 128, 64, 1 << 18
+GEMM_MIN_ROWS = 16
+ROWS_PER_TILE, MIN_ROWS_PER_TILE, GEMM_BLOCK_K = 512, 128, 256
 LOOP_BLOCK_K = 256
-TARGET_ITEMS, TARGET_BLAS_ITEMS = 256, 64
+TARGET_ITEMS, TARGET_GEMM_ITEMS = 256, 64
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 21, 1 << 23, 1 << 22
 # Threads claim work items one at a time rather than take equal shares: a
@@ -228,7 +222,7 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
 # or ``nonpad_kv_seqlen`` (whose values change from call to call) and
 # aligned, C-contiguous, writeable ndarrays as Q, K and V take it.  What
 # else ``run`` reads that may change at run time is part of the signature
-# too: the thread policy above and the BLAS in use (tests change them); the
+# too: the thread policy above (tests change it); the
 # tile constants are fixed (tests pass tile sizes to ``run`` instead).
 PLANS_KEPT = 64
 _plans = {}
@@ -250,7 +244,7 @@ def _signature(Q, K, V, attributes):
     if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
     return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_,
-            SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS, CLAIM_ITEMS, (blas.single_threaded(), blas.gemm_function(4)))
+            SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS, CLAIM_ITEMS)
 
 
 def _keep(key, plan):
@@ -326,11 +320,10 @@ def _to_float16(y):
     return out
 
 
-def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=None):
+def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=None):
     """Run the kernel on a prepared call, and keep its plan under ``key``
-    (see ``_plans``; the BLAS state it was made with is the key's).  Tests
-    may force the tile sizes, the key chunk, and the rows from which
-    products go to BLAS."""
+    (see ``_plans``).  Tests may force the tile sizes, the key chunk, and
+    the rows from which tiles take the matrix products (``gemm``)."""
     y, y4 = call.new_output()
     if y.size == 0:
         return call.finish(y)
@@ -338,13 +331,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     b, hq, sq, d = call.q.shape
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
     group = hq // hkv
-    blas_rows = BLAS_MIN_ROWS if blas_rows is None else blas_rows
-    # A key ends with the BLAS state it was made under: read once, for both.
-    unsplit = group * sq >= blas_rows and (blas.single_threaded() if key is None else key[-1][0])
-    auto_q, auto_k = _tiles(b * hkv, group, sq, blas_rows, unsplit)
+    gemm_rows = GEMM_MIN_ROWS if gemm_rows is None else gemm_rows
+    auto_q, auto_k = _tiles(b * hkv, group, sq, gemm_rows)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
-    uses_blas = group * block_q >= blas_rows
+    uses_gemm = group * block_q >= gemm_rows
     n_q_tiles = -(-sq // block_q)
     macs = b * hq * sq * total * (d + dv)
     threads = _useful_threads(macs)
@@ -353,7 +344,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
         # in 3 chunks).
         kv_chunk = total if macs < SPLIT_MACS else _kv_chunk(b * hkv * n_q_tiles, total, block_k,
-                                                 TARGET_BLAS_ITEMS if uses_blas else TARGET_ITEMS)
+                                                 TARGET_GEMM_ITEMS if uses_gemm else TARGET_ITEMS)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
     n_chunks = max(1, -(-total // kv_chunk))
     # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
@@ -365,9 +356,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
                    causal=int(call.is_causal), left=call.left, right=call.right,
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   blas_rows=blas_rows,
-                   gemm_limit=(1 << 62) if unsplit else GEMM_MNK_LIMIT,  # unsplit: no limit
-                   gemm_fn=blas.gemm_function(call.acc_dtype.itemsize))
+                   gemm_rows=gemm_rows)
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
@@ -382,7 +371,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
         inputs.append(flat)
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
-        in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_blas)
+        in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_gemm)
         desc += (base, *strides, code, int(in_place))
         if t == kernels.T_Q:
             q_code = code
@@ -399,7 +388,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, blas_rows=None, key=Non
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     n_items, rows = b * hkv * n_units, group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
-    loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_blas)
+    loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm)
     plan = _Plan(
         ints=ints,
         desc=desc,
@@ -518,15 +507,14 @@ def _fields(names, **values):
     return np.fromiter(map(values.__getitem__, names), np.int64, len(names))  # (np.array: ~2x the cost)
 
 
-def _tiles(heads, group, sq, blas_rows, unsplit):
+def _tiles(heads, group, sq, gemm_rows):
     """Default ``(block_q, block_k)`` for ``heads`` (batch x kv heads) of
-    ``group`` query heads each; ``unsplit``: BLAS runs on one thread, so its
-    products are whole, not split."""
-    rows, keys = (ROWS_PER_TILE, BLAS_BLOCK_K) if unsplit else (SPLIT_ROWS_PER_TILE, SPLIT_BLOCK_K)
-    while rows > MIN_ROWS_PER_TILE and heads * -(-sq // max(1, rows // group)) < TARGET_BLAS_ITEMS:
+    ``group`` query heads each."""
+    rows, keys = ROWS_PER_TILE, GEMM_BLOCK_K
+    while rows > MIN_ROWS_PER_TILE and heads * -(-sq // max(1, rows // group)) < TARGET_GEMM_ITEMS:
         rows //= 2  # smaller tiles, for enough work items
     block_q = max(1, min(sq, rows // group))
-    return block_q, keys if group * block_q >= blas_rows else LOOP_BLOCK_K
+    return block_q, keys if group * block_q >= gemm_rows else LOOP_BLOCK_K
 
 
 def _kv_chunk(n_items, total, block_k, target):

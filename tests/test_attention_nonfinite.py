@@ -22,12 +22,12 @@ from numkv._runtime import thread_count
 
 B, HQ, HKV, D = 1, 4, 2, 16
 
-# (block_q, block_k, kv_chunk, blas_rows): the default; small tiles with the
-# loop kernel; small tiles with BLAS; a split key range (partials merged).
+# (block_q, block_k, kv_chunk, gemm_rows): the default; small tiles with the
+# loop kernel; small tiles with the matrix products; a split key range (partials merged).
 RUNS = {
     "default": {},
-    "loop-tiles": dict(block_q=3, block_k=7, blas_rows=1 << 30),
-    "blas-tiles": dict(block_q=3, block_k=7, blas_rows=1),
+    "loop-tiles": dict(block_q=3, block_k=7, gemm_rows=1 << 30),
+    "gemm-tiles": dict(block_q=3, block_k=7, gemm_rows=1),
     "split-keys": dict(block_k=8, kv_chunk=24),
 }
 

@@ -347,13 +347,14 @@ def test_gqa_equals_mha_with_repeated_kv(args):
             repeated[name] = np.repeat(args[name], group, axis=1)
     # A kv head is an index map: with the loop kernel each query row does the
     # same arithmetic whether its K/V tile is shared with other heads or not
-    # (bit-identical).  BLAS is not row by row (OpenBLAS hands a one-row gemm
-    # to gemv, for one), so there only float32 rounding may differ.
-    loop, blas = 1 << 30, 1
-    assert_same_bits(_attention.run(_prepare(args), blas_rows=loop),
-                     _attention.run(_prepare(repeated), blas_rows=loop))
-    assert_close_f32(_attention.run(_prepare(args), blas_rows=blas),
-                     _attention.run(_prepare(repeated), blas_rows=blas), args)
+    # (bit-identical).  The matrix products' tiles hold G heads' rows, so their
+    # query tiles, and with them the key tiles a window starts and the sums'
+    # vectorised order (``_exp_row_sum``), follow G: only float32 rounding may differ.
+    loop, gemm = 1 << 30, 1
+    assert_same_bits(_attention.run(_prepare(args), gemm_rows=loop),
+                     _attention.run(_prepare(repeated), gemm_rows=loop))
+    assert_close_f32(_attention.run(_prepare(args), gemm_rows=gemm),
+                     _attention.run(_prepare(repeated), gemm_rows=gemm), args)
 
 
 @given(problems(past=False, nonpad=False, masks=False), st.data())
@@ -369,13 +370,13 @@ def test_causal_nonpad_equals_explicit_mask(args, data):
     # bottom-right causal for an external cache: offset nonpad[b] - Sq
     mask = (j < n) & (j <= i + n - sq)          # (B, 1, Sq, Skv)
     explicit = dict(args, is_causal=False, attn_mask=mask)
-    # Bit-identical with the loop kernel; BLAS sums a product in an order that
-    # depends on its length (the mask's keys make the tiles longer), so there
-    # only float32 rounding may differ.
-    loop, blas = 1 << 30, 1
-    got = _attention.run(_prepare(dict(args, nonpad_kv_seqlen=nonpad)), blas_rows=loop)
-    assert_same_bits(got, _attention.run(_prepare(explicit), blas_rows=loop))
-    assert_close_f32(_attention.run(_prepare(dict(args, nonpad_kv_seqlen=nonpad)), blas_rows=blas),
-                     _attention.run(_prepare(explicit), blas_rows=blas), args)
+    # Bit-identical with the loop kernel; the matrix products' softmax sums a
+    # tile in an order that depends on its length (the mask's keys make the
+    # tiles longer), so there only float32 rounding may differ.
+    loop, gemm = 1 << 30, 1
+    got = _attention.run(_prepare(dict(args, nonpad_kv_seqlen=nonpad)), gemm_rows=loop)
+    assert_same_bits(got, _attention.run(_prepare(explicit), gemm_rows=loop))
+    assert_close_f32(_attention.run(_prepare(dict(args, nonpad_kv_seqlen=nonpad)), gemm_rows=gemm),
+                     _attention.run(_prepare(explicit), gemm_rows=gemm), args)
     empty = ~mask.any(axis=-1)                  # queries that see no key: zero rows
     assert (got[np.broadcast_to(empty, got.shape[:3])] == 0).all()

@@ -85,11 +85,10 @@ def test_info_says_what_numkv_runs_on(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"numkv {numkv.__version__}" in out
-    for field in ("numpy ", "numba ", "BLAS of prefill's products: numkv's own, openblas ", "NumPy's BLAS: ",
-                  "prefill products: ", "threading: ", "kernel cache: "):
+    for field in ("numpy ", "numba ", "NumPy's BLAS: ", "prefill products: register blocks of 6 x ",
+                  "threading: ", "kernel cache: "):
         assert field in out, field
     assert f"threads: {numkv.get_num_threads()}, " in out
-    assert "1 thread(s)" in re.search(r"BLAS of prefill's products.*", out).group(0)
 
 
 def test_no_command_means_info(capsys):

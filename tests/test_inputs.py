@@ -344,7 +344,7 @@ def test_a_non_native_query_says_what_to_do():
 # -- read-only arrays, empty lists --
 
 
-@pytest.mark.parametrize("sq", [1, 64])  # decode's loops; BLAS' tiles
+@pytest.mark.parametrize("sq", [1, 64])  # decode's loops; the matrix products' tiles
 def test_one_array_as_q_k_and_v(sq):
     """Q, K and V may be the very same array (the wrapper tells them apart by
     position, not identity): Y equals that of three copies."""

@@ -1,8 +1,7 @@
 """``python -m numkv info``: what numkv runs on, without compiling anything.
 
-Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the BLAS
-prefill's matrix products call (numkv's own OpenBLAS, ``numkv._runtime.blas``;
-else SciPy's, through numba) and NumPy's, threads and how they are run, and
+Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the register
+blocks of prefill's matrix products, NumPy's BLAS, threads and how they are run, and
 where numba keeps numkv's compiled kernels (and whether it could use the
 directory asked for).
 """
@@ -28,7 +27,7 @@ def runtime_info():
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        "info", help="versions, BLAS, threads and threading, kernel cache directory",
+        "info", help="versions, prefill products, BLAS, threads and threading, kernel cache directory",
         description=__doc__.split("\n\n")[0] + " Compiles nothing.")
     p.set_defaults(run=run)
     return p
@@ -42,69 +41,32 @@ def _version(distribution):
         return "not installed"
 
 
-def blas_info():
-    """``(products_blas, numpy_blas)`` as short strings: the BLAS prefill's
-    products call (numkv's own OpenBLAS, else SciPy's, which numba calls) and
-    NumPy's.
-
-    threadpoolctl names the libraries loaded in this process (after importing
-    SciPy's and NumPy's BLAS wrappers) with their versions and thread counts;
-    where it does not, each package's build configuration says what it was
-    built against; otherwise "unknown".
-    """
-    from numkv._runtime import blas as numkv_blas
-
-    own = numkv_blas.own_path()
-    try:
-        import scipy.linalg.cython_blas  # noqa: F401  loads the library numba calls
-    except ImportError:
-        if own is None:
-            return "none: SciPy is not installed (numba's np.dot needs it)", _numpy_blas_config()
+def numpy_blas_info():
+    """NumPy's BLAS as a short string (the bench's GEMM rate and
+    ``numkv.layers``' projections run on it; numkv's kernels do not):
+    threadpoolctl's name, version and thread count of the library NumPy
+    loaded, else NumPy's build configuration, else "unknown"."""
     from threadpoolctl import threadpool_info
 
-    own_blas = scipy_blas = numpy_blas = None
     for lib in threadpool_info():
-        if lib.get("user_api") != "blas":
-            continue
-        text = (f"{lib.get('internal_api')} {lib.get('version') or ''}".rstrip()
-                + f", {lib.get('num_threads')} thread(s) ({lib.get('filepath')})")
         path = (lib.get("filepath") or "").replace("\\", "/")
-        if lib.get("filepath") == own:
-            own_blas = f"numkv's own, {text}"
-        elif "/scipy" in path and scipy_blas is None:
-            scipy_blas = f"SciPy's (through numba), {text}"
-        elif "/numpy" in path and numpy_blas is None:
-            numpy_blas = text
-    if own is None:
-        own_blas = scipy_blas or f"SciPy's (through numba), {_config_blas('scipy')}"
-    return own_blas, numpy_blas or _numpy_blas_config()
-
-
-def _config_blas(package):
-    """The BLAS a package says it was built with (``show_config`` dicts)."""
+        if lib.get("user_api") == "blas" and "/numpy" in path:
+            return (f"{lib.get('internal_api')} {lib.get('version') or ''}".rstrip()
+                    + f", {lib.get('num_threads')} thread(s) ({lib.get('filepath')})")
     try:
-        config = importlib.import_module(package).show_config(mode="dicts")
+        config = np.show_config(mode="dicts")
         blas = config["Build Dependencies"]["blas"]
         return f"{blas['name']} {blas.get('version', '')}".rstrip() + " (build configuration)"
-    except Exception:  # old packages have no mode="dicts"; any shape change: unknown
+    except Exception:  # old NumPy has no mode="dicts"; any shape change: unknown
         return "unknown"
 
 
-def _numpy_blas_config():
-    return _config_blas("numpy")
-
-
 def products_info():
-    """How prefill tiles call BLAS in this process now (``numkv._runtime.blas``)."""
-    from numkv._runtime import blas as numkv_blas
+    """Prefill's matrix products: numkv's register blocks, as this CPU gets
+    them (``numkv._kernels.gemm``; compiles nothing)."""
+    from numkv._kernels import gemm
 
-    if numkv_blas.single_threaded():
-        return "whole tiles (their BLAS runs on 1 thread)"
-    if numkv_blas.OWN is not None:
-        return ("split to M*N*K <= 2**18: a threadpool_limits block gave numkv's BLAS more than "
-                "1 thread (outside it, whole tiles, ~1.2-1.3x faster)")
-    return ("split to M*N*K <= 2**18, BLAS may start threads (install scipy-openblas32, or "
-            "OPENBLAS_NUM_THREADS=1: whole tiles, ~1.2-1.3x faster)")
+    return gemm.describe()
 
 
 def threading_info():
@@ -164,11 +126,9 @@ def run(args=None):
     print(f"python {platform.python_version()} on {platform.machine()} ({os.cpu_count()} CPUs), "
           f"{platform.system()}")
     print(f"numpy {np.__version__}, numba {_version('numba')}, llvmlite {_version('llvmlite')}, "
-          f"ml_dtypes {_version('ml_dtypes')}, scipy {_version('scipy')}")
-    products_blas, numpy_blas = blas_info()
-    print(f"BLAS of prefill's products: {products_blas}")
-    print(f"NumPy's BLAS: {numpy_blas}")
+          f"ml_dtypes {_version('ml_dtypes')}")
     print(f"prefill products: {products_info()}")
+    print(f"NumPy's BLAS: {numpy_blas_info()}")
     threads, how = threading_info()
     env = ", ".join(f"{k}={os.environ[k]}" for k in
                     ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_THREADING_LAYER") if k in os.environ)

@@ -280,7 +280,7 @@ def _have(module):
 
 def _set_threads(n):
     """Thread counts for every runtime: numkv's (``numkv.set_num_threads``);
-    the BLAS of NumPy and SciPy (the GEMM limit, NumPy's matmuls) through threadpoolctl;
+    the BLAS libraries loaded (the GEMM limit, NumPy's matmuls) through threadpoolctl;
     onnxruntime's sessions take ``n`` when they are made."""
     if n is None:
         return nullcontext()
@@ -291,14 +291,9 @@ def _set_threads(n):
         import torch
 
         torch.set_num_threads(n)
-    from threadpoolctl import ThreadpoolController
+    from threadpoolctl import threadpool_limits
 
-    from numkv._runtime import blas as numkv_blas
-
-    # Every BLAS but numkv's own, which stays on one thread (its products run on numkv's).
-    blas = ThreadpoolController().select(user_api="blas")
-    others = [lib.filepath for lib in blas.lib_controllers if lib.filepath != numkv_blas.own_path()]
-    return blas.select(filepath=others).limit(limits=n)
+    return threadpool_limits(limits=n, user_api="blas")
 
 
 def machine_name():
@@ -345,14 +340,14 @@ def measure_and_print_limits():
 def warm_up_kernels():
     """Compile (or load) the kernels the cases call before any is timed,
     saying so first when numba's cache is cold: the float32 attention
-    kernel with the BLAS tiles, the decode loops and the merge of a split
+    kernel with the matrix products' tiles, the decode loops and the merge of a split
     key range; and the scatter kernel.  (Each other K/V format compiles its
     own loops on its case's first, untimed, call.)"""
     from numkv._cli.compile_notice import compile_notice
 
     with compile_notice("the benchmarked cases", seconds=8):
         q = np.ones((1, 32, 40, 16), np.float32)
-        numkv.attention(q, q[:, :8], q[:, :8], is_causal=True)        # prefill: BLAS tiles
+        numkv.attention(q, q[:, :8], q[:, :8], is_causal=True)        # prefill: matrix products
         k = np.ones((1, 1, 3000, 16), np.float32)
         numkv.attention(q[:, :4, :1], k, k)                           # decode: loop, split, merge
         cache = np.zeros((2, 2, 8, 4), np.float32)

@@ -13,15 +13,15 @@ The modules beside this one, each imported only by those above it::
     layout        the contract with the wrapper: ints/desc/floats slots, dtype codes
     cpu           what the CPU numba compiles for can do (F16C, AVX-512 VBMI)
     simd          the LLVM IR toolkit: views, prefetches, loops, lane reductions
-    gemm          BLAS' sgemm/dgemm from jitted code (prefill's products)
+    gemm          prefill's matrix products: register blocks in LLVM IR
     widen         bits -> float per K/V format; tiles; the formats read in place
     softmax       the online softmax of a tile of scores, and its float32 exp
     decode_loops  decode's fused loops: four keys' dot products, value runs
     format_loops  the C functions this kernel calls by address, compiled on
-                  demand: each format's loops and widening, BLAS' products,
+                  demand: each format's loops and widening, the products,
                   the softmax, the merge and output rows
 
-Compilation.  The loops that depend on a K/V format, and the BLAS,
+Compilation.  The loops that depend on a K/V format, and the products,
 softmax and output steps, are C functions of their own (``format_loops``),
 compiled when a call first needs them and called through ``loops``, a table
 of their addresses, once per tile (``simd._run``): this kernel compiles once
@@ -54,9 +54,8 @@ Arithmetic in tiles (as PyTorch's and ggml's CPU flash attention): a work
 item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
 against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
-(prefill) take BLAS ``gemm`` (``gemm._gemm``): whole where BLAS runs on one
-thread, else split to stay within ``ints[GEMM_LIMIT]`` (OpenBLAS'
-single-thread size); few rows (decode) take loops that score four rows
+(prefill) take register-blocked matrix products (``gemm``), which skip the
+blocks past every key their rows attend; few rows (decode) take loops that score four rows
 against four keys per pass (``format_loops._score_keys``) and add a run of
 keys' values to four rows at a time, their accumulators held in registers
 over the run (``format_loops._add_values``).
@@ -71,7 +70,7 @@ windows and valid lengths; the additive mask applies inside it.  Only tiles
 that cross an interval's end, or meet the mask, take the masked path; tiles
 outside every row's interval are never loaded.  Masking *sets* ``-inf`` (it
 never adds to the score), its weight is ``-0.0``, and ``P V`` leaves such keys
-out whenever a tile's V holds a non-finite value (BLAS' product hands such a
+out whenever a tile's V holds a non-finite value (the product hands such a
 tile to the loops, which leave them out): an excluded key never
 influences Y, whatever its K or V hold.  A NaN or ``+inf`` among the
 attended scores makes the row NaN (as the reference's softmax does), wherever
@@ -110,9 +109,9 @@ from .format_loops import loop_table, read_in_place  # noqa: F401 (the wrapper's
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
-    BASE, BATCH, BF16, BLAS_ROWS, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
+    BASE, BATCH, BF16, GEMM_ROWS, GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
     DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS,
-    FORMAT_TABLE, GEMM_FN, GEMM_LIMIT, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
+    FORMAT_TABLE, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
     NONE, NOT_STARTED, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
     SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
     TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
@@ -124,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "0d8f052de134d762a694ac2a1847d6192a8b2b429ae86eff9df32fd4ddeb7de3"
+HELPERS_SHA256 = "08771355d995ed5b5f7b20b05ae52ee668bfa310905891615b1748fe22cfb03b"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -167,7 +166,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     # K and V tiles: raw bytes as the loops read them, and their float views.
     kbuf, vbuf = np.empty(bk * d_k * y.itemsize, np.uint8), np.empty(bk * d_v * y.itemsize, np.uint8)
     ktile, vtile = _view(kbuf, y), _view(vbuf, y)
-    kt = np.empty(bk * d_k if rows_max >= ints[BLAS_ROWS] else 0, dt)  # K transposed, for the tile products
+    kt = np.empty(bk * d_k if rows_max >= ints[GEMM_ROWS] else 0, dt)  # K transposed, for the tile products
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     # (a 2-D np.empty would compile a function of its own: 0.05 s)
@@ -226,7 +225,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 if has_mask:
                     mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
                                  + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
-                use_blas = rows >= ints[BLAS_ROWS]
+                use_gemm = rows >= ints[GEMM_ROWS]
                 # Two segments: past keys, then new keys (a tile never straddles them).
                 for seg in range(2):
                     seg_lo, seg_hi = (t_lo, _min(t_hi, past - 1)) if seg == 0 else (_max(t_lo, past), t_hi)
@@ -239,12 +238,12 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         edge = has_mask  # some key of the tile is masked for some row
                         for i in range(nq):
                             edge |= lo[i] > j0 or hi[i] < j0 + n - 1
-                        # s = Q K^T: BLAS for many rows, else the loops of K's format.
+                        # s = Q K^T: the matrix product for many rows, else the loops of K's format.
                         failures += failed + _run(
-                            loops[acc_code, BLAS_SCORES] if use_blas else loops[kcode, SCORES],
+                            loops[acc_code, GEMM_SCORES] if use_gemm else loops[kcode, SCORES],
                             (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, kt, hi, nq, j0, edge, 0))
                         failures += _run(  # softmax._softmax_tile
-                            loops[acc_code, BLAS_SOFTMAX if use_blas else SOFTMAX],
+                            loops[acc_code, GEMM_SOFTMAX if use_gemm else SOFTMAX],
                             (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
                              desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
                              score_scale))
@@ -255,10 +254,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                             if a != 1.0:
                                 for d in range(d_v):
                                     acc[r, d] *= a
-                        # acc += P V: BLAS (which hands a tile whose masked keys' V is not
+                        # acc += P V: the product (which hands a tile whose masked keys' V is not
                         # finite to the loops), else the loops of V's format.
                         failures += failed + _run(
-                            loops[acc_code, BLAS_VALUES] if use_blas else loops[vcode, VALUES],
+                            loops[acc_code, GEMM_VALUES] if use_gemm else loops[vcode, VALUES],
                             (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, kt, hi, nq, j0, edge,
                              loops[acc_code, VALUES]))
 

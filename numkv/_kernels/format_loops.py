@@ -4,7 +4,7 @@ query rows against keys (``_score_keys``, four keys a pass,
 ``decode_loops._dots``) and adding of keys' values to the rows'
 accumulators (``_add_values``, ``decode_loops._axpy``), the widening of
 rows into tiles (``widen``'s ``_rows_*`` loops); and, per accumulation
-dtype, BLAS' products, the softmax of a tile and the output rows
+dtype, prefill's matrix products (``gemm``), the softmax of a tile and the output rows
 (``softmax``).
 
 Why apart from the kernel: compiled into it, every format's loops were
@@ -33,7 +33,7 @@ from numba import types
 from .._config import c_function, jit
 from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
 from .gemm import _gemm_accumulate, _gemm_scores
-from .layout import (BF16, BLAS_SCORES, BLAS_SOFTMAX, BLAS_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
+from .layout import (BF16, GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
                      F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
 from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _min, _run, _view
@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "5407e037c41599adcf9ef1026126453afffa3d16a85ec3cc6dfebaf6c5a500e0"
+HELPERS_SHA256 = "a599ad4899e1e61e405ce39fd3c9d9613ea1abf5175cd16e4470a830cdb9d438"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -57,13 +57,13 @@ _tables = {}  # loop_table's keys whose functions are compiled
 _lock = threading.Lock()
 
 
-def loop_table(acc, q_code, kv, blas):
+def loop_table(acc, q_code, kv, gemm):
     """``TABLES[acc]`` with every function a call may make compiled
     (``addresses``), for its Q's dtype code, ``(dtype code, read in place)``
     of each K / V tensor that has keys (``kv``, a tuple; ``read_in_place``)
-    and whether its tiles take BLAS; remembered per layout, so a call whose
+    and whether its tiles take the matrix products; remembered per layout, so a call whose
     plan is not kept pays one lookup (computing it cost 1.8 us)."""
-    key = (acc, q_code, kv, blas)
+    key = (acc, q_code, kv, gemm)
     table = _tables.get(key)
     if table is None:
         acc_code = F64 if acc else F32
@@ -71,27 +71,27 @@ def loop_table(acc, q_code, kv, blas):
         widened = {code for code, in_place in kv if not in_place}
         if q_code != acc_code:  # (the kernel copies Q of the accumulation dtype)
             widened.add(q_code)
-        table = addresses(acc, sorted(read), sorted(widened), blas)
+        table = addresses(acc, sorted(read), sorted(widened), gemm)
         if len(_tables) >= 1024:
             _tables.clear()
         _tables[key] = table
     return table
 
 
-def addresses(acc, read, widened, blas):
+def addresses(acc, read, widened, gemm):
     """``TABLES[acc]``, with every C function a call of accumulation dtype
     ``acc`` (0: float32, 1: float64) may make compiled: from numba's disk
     cache, else now (~0.2-0.8 s each, CPU).  The softmax, the output rows
     and decode's loops for rows of the accumulation dtype, and the loops of
     the dtype codes ``read`` in place; the widening of the dtype codes
-    ``widened``; BLAS' products and softmax where ``blas`` (the call's
+    ``widened``; the matrix products and their softmax where ``gemm`` (the call's
     tiles have enough query rows).  Two threads may compile at once: each
     entry is written whole, under a lock."""
     acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in widened] + [(acc_code, field) for field in (SOFTMAX, SCORES, VALUES, FINISH)]
     wanted += [(code, field) for code in read for field in (SCORES, VALUES)]
-    if blas:
-        wanted += [(acc_code, BLAS_SCORES), (acc_code, BLAS_VALUES), (acc_code, BLAS_SOFTMAX)]
+    if gemm:
+        wanted += [(acc_code, GEMM_SCORES), (acc_code, GEMM_VALUES), (acc_code, GEMM_SOFTMAX)]
     table = TABLES[acc]
     for code, field in wanted:
         if not table[code, field]:
@@ -103,13 +103,13 @@ def addresses(acc, read, widened, blas):
     return table
 
 
-def read_in_place(acc, code, stride, row_stride, width, blas):
+def read_in_place(acc, code, stride, row_stride, width, gemm):
     """Whether the kernel reads a K or V tensor's rows where they lie
     (``widen._kv_tile``) -- unit-stride rows of the accumulation dtype that
     do not overlap, or of an ``IN_PLACE`` format in decode's loops (float32
-    accumulators, no BLAS) -- rather than widen them into tiles."""
+    accumulators, no matrix products) -- rather than widen them into tiles."""
     acc_code = F64 if acc else F32
-    return stride == 1 and (row_stride >= width if code == acc_code else acc == 0 and not blas and code in IN_PLACE)
+    return stride == 1 and (row_stride >= width if code == acc_code else acc == 0 and not gemm and code in IN_PLACE)
 
 
 def _compile(acc, code, field):
@@ -143,18 +143,18 @@ def _compile(acc, code, field):
                         prefetch != 0, code)
             return 1
         return values
-    if field == BLAS_SCORES:
+    if field == GEMM_SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def blas_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
+        def gemm_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
                         loop):
             queries = _array(q, q_size)
             _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _array(s, s_size), rows, n, d_k,
                          _array(scratch, scratch_size), _array(hi, hi_size), nq, j0)
             return 1
-        return blas_scores
-    if field == BLAS_VALUES:
+        return gemm_scores
+    if field == GEMM_VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def blas_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
+        def gemm_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
                         loop):
             weights, sums, raw = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
             values = _view(raw, weights)
@@ -166,9 +166,9 @@ def _compile(acc, code, field):
                                        _array(scratch, scratch_size), _array(hi, hi_size), nq, j0, edge, loop))
             _gemm_accumulate(weights, values, vo, vld, sums, rows, n, d_v, _array(hi, hi_size), nq, j0)
             return 1
-        return blas_values
-    if field in (SOFTMAX, BLAS_SOFTMAX):
-        fast_sum = field == BLAS_SOFTMAX
+        return gemm_values
+    if field in (SOFTMAX, GEMM_SOFTMAX):
+        fast_sum = field == GEMM_SOFTMAX
         ints_ptr, flags_ptr, f64 = types.CPointer(i64), types.CPointer(types.uint8), types.float64
         as_real = np.float64 if acc else np.float32  # (the C call passes floats as float64)
 

@@ -42,6 +42,13 @@ def _block_vectors():
     return (64, 4) if has_avx512() else (32, 2)
 
 
+def describe():
+    """The register block as this CPU gets it, in words (``numkv info``)."""
+    vector_bytes, vectors = _block_vectors()
+    return (f"register blocks of {BLOCK_ROWS} x {vector_bytes // 4 * vectors} float32, "
+            f"{BLOCK_ROWS} x {vector_bytes // 8 * vectors} float64 ({'AVX-512' if has_avx512() else 'AVX2'})")
+
+
 @intrinsic
 def _block_columns(typingctx, flat):
     """The columns of a register block of ``flat``'s dtype (a constant)."""

@@ -13,13 +13,11 @@ import numpy as np
 INT_FIELDS = (
     "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
     "causal", "left", "right", "has_mask",
-    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "blas_rows", "gemm_limit",
-    "gemm_fn",
+    "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "gemm_rows",
 )
 (BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
  CAUSAL, LEFT, RIGHT, HAS_MASK,
- BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, BLAS_ROWS, GEMM_LIMIT,
- GEMM_FN) = range(len(INT_FIELDS))
+ BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, GEMM_ROWS) = range(len(INT_FIELDS))
 
 # -- desc[]: a row per tensor, its base offset, (b, h, s, d) strides in elements, dtype code
 TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
@@ -73,13 +71,13 @@ del _code, _row
 # accumulation dtype): the address of the C function that scores keys of
 # dtype ``code`` (``scores``), adds their values (``values``), or widens
 # rows of it into a tile (``widen``); in the row of the accumulation dtype
-# itself, BLAS' products over tiles (``blas_scores``, ``blas_values``) and
-# the softmax of a tile of scores, for the loops and for BLAS (``softmax``,
-# ``blas_softmax``), and the output rows ``y = acc / l``, after merging a
+# itself, the matrix products of many-row tiles (``gemm_scores``,
+# ``gemm_values``) and the softmax of a tile of scores, for the loops and
+# for those products (``softmax``, ``gemm_softmax``), and the output rows ``y = acc / l``, after merging a
 # split key range's partial softmaxes (``finish``); 0 where not compiled
 # (never called).
-LOOP_FIELDS = ("scores", "values", "widen", "blas_scores", "blas_values", "softmax", "blas_softmax", "finish")
-SCORES, VALUES, WIDEN, BLAS_SCORES, BLAS_VALUES, SOFTMAX, BLAS_SOFTMAX, FINISH = range(len(LOOP_FIELDS))
+LOOP_FIELDS = ("scores", "values", "widen", "gemm_scores", "gemm_values", "softmax", "gemm_softmax", "finish")
+SCORES, VALUES, WIDEN, GEMM_SCORES, GEMM_VALUES, SOFTMAX, GEMM_SOFTMAX, FINISH = range(len(LOOP_FIELDS))
 N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)
 
 # -- the thread pool's flags (``numkv._runtime.pool``, ``spin_wait``) --------------

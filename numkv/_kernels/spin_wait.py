@@ -30,7 +30,7 @@ from .simd import _emit_loop, _emit_pause, _load_acquire, _pause, _store_release
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "9305b3c0304fe1fdff831d6a155f97bba68707f3337f8459d5a46d2368051fbe"
+HELPERS_SHA256 = "95802e40d60337144f7ec6590627fbd37c6744c8bb0081c26efca436ba697b07"
 
 # How long a joined call's caller spins for its workers before it leaves the
 # waiting to Python (which sleeps): as ``pool.SPIN_POLLS``.
