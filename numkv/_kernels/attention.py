@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "08771355d995ed5b5f7b20b05ae52ee668bfa310905891615b1748fe22cfb03b"
+HELPERS_SHA256 = "341233f0c52258dfaa20c70830dd6d12ea603a7e9acab6447a640aae549fdd69"
 
 
 # -- work items --------------------------------------------------------------------------

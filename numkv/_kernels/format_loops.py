@@ -4,8 +4,8 @@ query rows against keys (``_score_keys``, four keys a pass,
 ``decode_loops._dots``) and adding of keys' values to the rows'
 accumulators (``_add_values``, ``decode_loops._axpy``), the widening of
 rows into tiles (``widen``'s ``_rows_*`` loops); and, per accumulation
-dtype, prefill's matrix products (``gemm``), the softmax of a tile and the output rows
-(``softmax``).
+dtype, prefill's matrix products (``gemm``), the softmax of a tile and the
+output rows (``softmax``).
 
 Why apart from the kernel: compiled into it, every format's loops were
 compiled on every first call -- float32's with those of the eight narrow,
@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "a599ad4899e1e61e405ce39fd3c9d9613ea1abf5175cd16e4470a830cdb9d438"
+HELPERS_SHA256 = "e658cf1fff9bf179b1d74dcab835b3acc06914b893fc4f7f587851959ba7ca63"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -84,8 +84,8 @@ def addresses(acc, read, widened, gemm):
     cache, else now (~0.2-0.8 s each, CPU).  The softmax, the output rows
     and decode's loops for rows of the accumulation dtype, and the loops of
     the dtype codes ``read`` in place; the widening of the dtype codes
-    ``widened``; the matrix products and their softmax where ``gemm`` (the call's
-    tiles have enough query rows).  Two threads may compile at once: each
+    ``widened``; the matrix products and their softmax where ``gemm`` (the
+    call's tiles have enough query rows).  Two threads may compile at once: each
     entry is written whole, under a lock."""
     acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in widened] + [(acc_code, field) for field in (SOFTMAX, SCORES, VALUES, FINISH)]
@@ -129,24 +129,24 @@ def _compile(acc, code, field):
                     types.CPointer(i64), i64, i64, i64, i64, i64)
     if field == SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
-                   loop):
+        def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
+                   scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
             _score_keys(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
             return 1
         return scores
     if field == VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
-                   loop):
+        def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
+                   scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
             _add_values(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
             return 1
         return values
     if field == GEMM_SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def gemm_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
-                        loop):
+        def gemm_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
+                        scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
             queries = _array(q, q_size)
             _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _array(s, s_size), rows, n, d_k,
                          _array(scratch, scratch_size), _array(hi, hi_size), nq, j0)
@@ -154,8 +154,8 @@ def _compile(acc, code, field):
         return gemm_scores
     if field == GEMM_VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
-        def gemm_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch, scratch, scratch_size, hi, hi_size, nq, j0, edge,
-                        loop):
+        def gemm_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
+                        scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
             weights, sums, raw = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
             values = _view(raw, weights)
             # The tile product cannot leave masked keys out (0 * inf is NaN):

@@ -2,10 +2,10 @@
 ``acc += P V`` of a work item's query rows against a tile of keys
 (``_gemm_scores``, ``_gemm_accumulate``).
 
-Register blocks, as BLAS kernels and ggml's are made: a block of ``MR``
-rows by ``NR`` columns of the product is held in registers while the
-inner dimension runs, each step one broadcast element of each row times
-``NR / lanes`` vectors of the right operand (``_block_product``).  The
+Register blocks, as BLAS kernels and ggml's are made: a block of
+``BLOCK_ROWS`` rows by a few vectors' columns of the product is held in
+registers while the inner dimension runs, each step one broadcast element
+of each row times those vectors of the right operand (``_block_product``).  The
 left operand's rows are read where they lie (a broadcast needs no
 packing); the right one's rows are vectors: V's rows as they lie in the
 cache, and K's tile transposed once (``_transpose``), ``d x n``.
@@ -15,9 +15,9 @@ time, and OpenBLAS' sgemm, packing included, took 335-345 us a product
 on one core of a Zen 4 against 293-296 us for these blocks (2-core EPYC,
 numpy's OpenBLAS, medians of 7).
 
-Each result is one chain of FMAs along the inner dimension, in order:
-its bits depend on its row and column only, not on the block, the tile
-or the thread that made it.
+Each result is one chain of FMAs along the inner dimension, in order
+(then added to ``acc``): its bits depend on its row and column only, not
+on the block or the thread that made it.
 """
 
 from llvmlite import ir
@@ -28,7 +28,7 @@ from .._config import jit
 from .cpu import has_avx512
 from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max, _min, _phis, _splat
 
-# Rows of a register block; its columns are ``BLOCK_VECTORS`` vectors:
+# Rows of a register block; its columns are ``_block_vectors()`` vectors:
 # 6 x 64 float32 (24 of AVX-512's 32 registers hold the block), 6 x 16 on
 # AVX2 (12 of 16).  Of 6, 8, 12 and 14 rows x 32 columns and 6 x 64 on the
 # 2-core EPYC, 6 x 64 was fastest (296 / 293 us the two products above, 8
@@ -37,8 +37,8 @@ BLOCK_ROWS = 6
 
 
 def _block_vectors():
-    """``(lanes a vector holds in bytes, vectors a block row)``: AVX-512's
-    registers or AVX2's."""
+    """``(bytes a vector holds, vectors a block row)``: AVX-512's registers
+    or AVX2's (what the CPU numba compiles for has, ``cpu.has_avx512``)."""
     return (64, 4) if has_avx512() else (32, 2)
 
 
@@ -95,8 +95,9 @@ def _block_product(add):
                 row = builder.select(builder.icmp_signed("<", row, rows), row, last)
                 a_rows.append(builder.gep(a_, [builder.add(a_at, builder.mul(row, lda))]))
             b_row = builder.gep(b_, [b_at])
-            masks = [builder.icmp_signed("<", ir.Constant(ir.VectorType(i64, lanes), [v * lanes + t for t in range(lanes)]),
-                                         _broadcast(builder, cols, lanes)) for v in range(n_vectors)]
+            columns = [ir.Constant(ir.VectorType(i64, lanes), [v * lanes + t for t in range(lanes)])
+                       for v in range(n_vectors)]
+            masks = [builder.icmp_signed("<", at, _broadcast(builder, cols, lanes)) for at in columns]
             masked_load, masked_store = _masked_memory(builder, "load", vec), _masked_memory(builder, "store", vec)
             zero = _splat(vec, 0.0)
 
