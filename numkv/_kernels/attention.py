@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "341233f0c52258dfaa20c70830dd6d12ea603a7e9acab6447a640aae549fdd69"
+HELPERS_SHA256 = "5a9b251da1409062d6d1016f48db5c00841ecdd9e27074dd6ea2816f4238ab0a"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -235,9 +235,13 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         s = _as_rows(sbuf[:rows * n], n)
                         kr, ko, kld, kcode, k_in_place, failed = _kv_tile(
                             kbuf, ktile, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, loops, acc_code)
-                        edge = has_mask  # some key of the tile is masked for some row
+                        # Some key of the tile is masked for some row: 1, or 2 where only
+                        # keys past some rows' last (causal, valid lengths) are.
+                        front, back = has_mask, False
                         for i in range(nq):
-                            edge |= lo[i] > j0 or hi[i] < j0 + n - 1
+                            front |= lo[i] > j0
+                            back |= hi[i] < j0 + n - 1
+                        edge = 1 if front else 2 if back else 0
                         # s = Q K^T: the matrix product for many rows, else the loops of K's format.
                         failures += failed + _run(
                             loops[acc_code, GEMM_SCORES] if use_gemm else loops[kcode, SCORES],

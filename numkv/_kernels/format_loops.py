@@ -36,7 +36,7 @@ from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
                      F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
-from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _min, _run, _view
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _max, _min, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "e658cf1fff9bf179b1d74dcab835b3acc06914b893fc4f7f587851959ba7ca63"
+HELPERS_SHA256 = "d70b52c8d5e0e2bd41f9f48de144932db0972c691be90193d84af03ec983f63c"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -159,9 +159,11 @@ def _compile(acc, code, field):
             weights, sums, raw = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
             values = _view(raw, weights)
             # The tile product cannot leave masked keys out (0 * inf is NaN):
-            # where the tile has some and its V is not all finite, the loops
-            # (at ``loop``) take it.
-            if edge and not _all_finite(values, vo, vld, n, d_v):
+            # where the tile has some and their V is not all finite, the loops
+            # (at ``loop``) take it.  (``edge`` 2: the masked keys are those
+            # past the earliest last key of the rows, ``_first_masked``.)
+            first = _first_masked(_array(hi, hi_size), nq, j0, n) if edge == 2 else 0
+            if edge and not _all_finite(values, vo + first * vld, vld, n - first, d_v):
                 return 1 - _run(loop, (weights, sums, raw, vo, vld, rows, n, d_v, prefetch,
                                        _array(scratch, scratch_size), _array(hi, hi_size), nq, j0, edge, loop))
             _gemm_accumulate(weights, values, vo, vld, sums, rows, n, d_v, _array(hi, hi_size), nq, j0)
@@ -235,6 +237,16 @@ def _compile(acc, code, field):
             _rows_quantized(out, r0, n, width, raw, code, base, seq_stride, stride, lut, fmt)
         return 1
     return widen
+
+
+@jit(inline=True)
+def _first_masked(hi, nq, j0, n):
+    """The first key of the tile ``j0 .. j0 + n`` past some query's last
+    (``hi``), or ``n``."""
+    first = n
+    for i in range(nq):
+        first = _min(first, _max(hi[i] - j0 + 1, 0))
+    return first
 
 
 @jit(inline=True)

@@ -53,9 +53,10 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
         i = r % nq
         if edge:
             first, stop = _max(lo[i] - j0, 0), _min(hi[i] - j0 + 1, n)
-            for j in range(n):
-                if j < first or j >= stop:
-                    s[r, j] = -inf
+            for j in range(_min(first, n)):
+                s[r, j] = -inf
+            for j in range(_max(stop, 0), n):
+                s[r, j] = -inf
             if mask_base >= 0:
                 at = mask_base + (r // nq) * mask_stride_g + i * mask_stride_i + j0 * mask_stride_j
                 for j in range(first, stop):
