@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "5a9b251da1409062d6d1016f48db5c00841ecdd9e27074dd6ea2816f4238ab0a"
+HELPERS_SHA256 = "87a580b522a8919b53edc73a270665d9603d819e4e272c0a5d7f816b19fc1b59"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "d70b52c8d5e0e2bd41f9f48de144932db0972c691be90193d84af03ec983f63c"
+HELPERS_SHA256 = "6b64c7a7ac750907c119526928d8b79f8244257100704fb6fb01ea80625c52d6"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

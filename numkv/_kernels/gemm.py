@@ -9,11 +9,11 @@ of each row times those vectors of the right operand (``_block_product``).  The
 left operand's rows are read where they lie (a broadcast needs no
 packing); the right one's rows are vectors: V's rows as they lie in the
 cache, and K's tile transposed once (``_transpose``), ``d x n``.
-BLAS packs both operands on every call; on the tile shapes of a prefill
-(512 rows x 256 keys x 128) that packing was 7.5% of a causal prefill's
-time, and OpenBLAS' sgemm, packing included, took 335-345 us a product
-on one core of a Zen 4 against 293-296 us for these blocks (2-core EPYC,
-numpy's OpenBLAS, medians of 7).
+BLAS packs both operands on every call; on a prefill's tile products
+(then 512 rows x 256 keys x 128) that packing was 7.5% of a causal
+prefill's time, and OpenBLAS' sgemm, packing included, took 335-345 us a
+product on one core of a Zen 4 against 293-296 us for these blocks
+(2-core EPYC, numpy's OpenBLAS, medians of 7).
 
 Each result is one chain of FMAs along the inner dimension, in order
 (then added to ``acc``): its bits depend on its row and column only, not
@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_avx512
-from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max, _min, _phis, _splat
+from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max, _min, _splat
 
 # Rows of a register block; its columns are ``_block_vectors()`` vectors:
 # 6 x 64 float32 (24 of AVX-512's 32 registers hold the block), 6 x 16 on
@@ -46,7 +46,7 @@ def describe():
     """The register block as this CPU gets it, in words (``numkv info``)."""
     vector_bytes, vectors = _block_vectors()
     return (f"register blocks of {BLOCK_ROWS} x {vector_bytes // 4 * vectors} float32, "
-            f"{BLOCK_ROWS} x {vector_bytes // 8 * vectors} float64 ({'AVX-512' if has_avx512() else 'AVX2'})")
+            f"{BLOCK_ROWS} x {vector_bytes // 8 * vectors} float64 ({'AVX-512' if has_avx512() else '32-byte vectors'})")
 
 
 @intrinsic
@@ -104,42 +104,48 @@ def _block_product(add):
             def vector_at(row, v):
                 return builder.bitcast(builder.gep(row, [ir.Constant(i64, v * lanes)]), vec.as_pointer())
 
+            def load(ptr, v, masked):
+                if masked:
+                    return builder.call(masked_load, [ptr, align, masks[v], zero])
+                return builder.load(ptr, align=align.constant)
+
             def product(masked):
+                """The block's loop, then its stores (masked only where the
+                block has fewer columns: AVX2's masked moves are slow on
+                some CPUs)."""
                 def step(t, accs):
                     b_t = builder.gep(b_row, [builder.mul(t, ldb)])
-                    if masked:
-                        bv = [builder.call(masked_load, [vector_at(b_t, v), align, masks[v], zero])
-                              for v in range(n_vectors)]
-                    else:
-                        bv = [builder.load(vector_at(b_t, v), align=align.constant) for v in range(n_vectors)]
+                    bv = [load(vector_at(b_t, v), v, masked) for v in range(n_vectors)]
                     out = []
                     for r in range(BLOCK_ROWS):
                         x = _broadcast(builder, builder.load(builder.gep(a_rows[r], [t])), lanes)
                         out += [builder.call(fma, [x, bv[v], accs[r * n_vectors + v]]) for v in range(n_vectors)]
                     return out
 
-                return _emit_loop(builder, ir.Constant(i64, 0), k, 1, [zero] * (BLOCK_ROWS * n_vectors), step)
+                accs = _emit_loop(builder, ir.Constant(i64, 0), k, 1, [zero] * (BLOCK_ROWS * n_vectors), step)
+                for r in range(BLOCK_ROWS):
+                    def store(r=r):
+                        row = builder.gep(c_, [builder.add(c_at, builder.mul(ir.Constant(i64, r), ldc))])
+                        for v in range(n_vectors):
+                            value, ptr = accs[r * n_vectors + v], vector_at(row, v)
+                            if add:
+                                value = builder.fadd(load(ptr, v, masked), value)
+                            if masked:
+                                builder.call(masked_store, [value, ptr, align, masks[v]])
+                            else:
+                                builder.store(value, ptr, align=align.constant)
+                    if r == 0:
+                        store()
+                    else:
+                        with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, r), rows)):
+                            store()
 
             full = builder.icmp_signed("==", cols, ir.Constant(i64, lanes * n_vectors))
             with builder.if_else(full, likely=True) as (whole, part):
                 with whole:
-                    whole_accs, whole_end = product(False), builder.block
+                    product(False)
                 with part:
-                    part_accs, part_end = product(True), builder.block
-            accs = _phis(builder, [(whole_accs, whole_end), (part_accs, part_end)])
-            for r in range(BLOCK_ROWS):
-                def store(r=r):
-                    row = builder.gep(c_, [builder.add(c_at, builder.mul(ir.Constant(i64, r), ldc))])
-                    for v in range(n_vectors):
-                        value, ptr = accs[r * n_vectors + v], vector_at(row, v)
-                        if add:
-                            value = builder.fadd(builder.call(masked_load, [ptr, align, masks[v], zero]), value)
-                        builder.call(masked_store, [value, ptr, align, masks[v]])
-                if r == 0:
-                    store()
-                else:
-                    with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, r), rows)):
-                        store()
+                    product(True)
             return context.get_dummy_value()
 
         return types.none(c, c_at, ldc, a, a_at, lda, b, b_at, ldb, k, rows, cols), codegen
@@ -245,8 +251,11 @@ def _gemm_scores(q, kf, ko, kld, s, rows, n, d_k, kt, hi, nq, j0):
 def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, d_v, hi, nq, j0):
     """``acc += p V`` (``rows`` rows of ``d_v`` in ``acc``, of ``n`` in
     ``p``), V the ``n`` rows of ``vf`` from ``vo``, ``vld`` apart, keys
-    ``j0 ..``; a block of rows stops at the last key they attend (their
-    weights past it are 0, and V is finite there: ``format_loops``)."""
+    ``j0 ..``.  A block of rows stops at the last key any of them attends
+    (past it their weights are 0, and those keys are not read); a key that
+    only some of its rows attend is read with weight 0 for the others
+    (``format_loops`` hands a tile whose such keys' V is not finite to the
+    loops)."""
     columns = _block_columns(vf)
     for i in range(0, rows, BLOCK_ROWS):
         keys = _min(n, _last_key(hi, i, rows, nq) - j0 + 1)
