@@ -84,7 +84,8 @@ def limits(hi, rows, nq, j0, n):
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rows, n, d, gap, nq", [(512, 256, 128, 0, 128), (7, 5, 3, 2, 7), (13, 67, 65, 9, 13),
-                                                 (24, 64, 64, 0, 6), (1, 1, 1, 0, 1), (40, 130, 17, 1, 10)])
+                                                 (24, 64, 64, 0, 6), (1, 1, 1, 0, 1), (40, 130, 17, 1, 10),
+                                                 (9, 45, 40, 3, 9)])
 @pytest.mark.parametrize("causal", [False, True], ids=["whole", "causal"])
 def test_the_products_equal_numpy(block, dtype, rows, n, d, gap, nq, causal):
     rng = np.random.default_rng(rows * n + d)

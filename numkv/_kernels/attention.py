@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "87a580b522a8919b53edc73a270665d9603d819e4e272c0a5d7f816b19fc1b59"
+HELPERS_SHA256 = "8f985edc0195bcfca99c7219425f8671ed3b4a9007baed490392e27b77c5ea7e"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -109,25 +109,25 @@ def _block_product(add):
                     return builder.call(masked_load, [ptr, align, masks[v], zero])
                 return builder.load(ptr, align=align.constant)
 
-            def product(masked):
-                """The block's loop, then its stores (masked only where the
-                block has fewer columns: AVX2's masked moves are slow on
-                some CPUs)."""
+            def product(width, masked):
+                """The block's loop over ``width`` vectors of columns, then
+                its stores; masked only where the block has fewer columns
+                (AVX2's masked moves are slow on some CPUs)."""
                 def step(t, accs):
                     b_t = builder.gep(b_row, [builder.mul(t, ldb)])
-                    bv = [load(vector_at(b_t, v), v, masked) for v in range(n_vectors)]
+                    bv = [load(vector_at(b_t, v), v, masked) for v in range(width)]
                     out = []
                     for r in range(BLOCK_ROWS):
                         x = _broadcast(builder, builder.load(builder.gep(a_rows[r], [t])), lanes)
-                        out += [builder.call(fma, [x, bv[v], accs[r * n_vectors + v]]) for v in range(n_vectors)]
+                        out += [builder.call(fma, [x, bv[v], accs[r * width + v]]) for v in range(width)]
                     return out
 
-                accs = _emit_loop(builder, ir.Constant(i64, 0), k, 1, [zero] * (BLOCK_ROWS * n_vectors), step)
+                accs = _emit_loop(builder, ir.Constant(i64, 0), k, 1, [zero] * (BLOCK_ROWS * width), step)
                 for r in range(BLOCK_ROWS):
                     def store(r=r):
                         row = builder.gep(c_, [builder.add(c_at, builder.mul(ir.Constant(i64, r), ldc))])
-                        for v in range(n_vectors):
-                            value, ptr = accs[r * n_vectors + v], vector_at(row, v)
+                        for v in range(width):
+                            value, ptr = accs[r * width + v], vector_at(row, v)
                             if add:
                                 value = builder.fadd(load(ptr, v, masked), value)
                             if masked:
@@ -140,12 +140,26 @@ def _block_product(add):
                         with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, r), rows)):
                             store()
 
+            # A block of fewer columns computes only the vectors that hold
+            # some (a head size of 80: 64 + 16 columns, not 64 + 64).
+            vectors = builder.sdiv(builder.add(cols, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
+
+            def partial(width):
+                if width == n_vectors:
+                    product(width, True)
+                    return
+                with builder.if_else(builder.icmp_signed("==", vectors, ir.Constant(i64, width))) as (this, wider):
+                    with this:
+                        product(width, True)
+                    with wider:
+                        partial(width + 1)
+
             full = builder.icmp_signed("==", cols, ir.Constant(i64, lanes * n_vectors))
             with builder.if_else(full, likely=True) as (whole, part):
                 with whole:
-                    product(False)
+                    product(n_vectors, False)
                 with part:
-                    product(True)
+                    partial(1)
             return context.get_dummy_value()
 
         return types.none(c, c_at, ldc, a, a_at, lda, b, b_at, ldb, k, rows, cols), codegen
