@@ -35,17 +35,19 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # against ``block_k`` keys a tile.
 #
 # * Prefill: with at least ``GEMM_MIN_ROWS`` rows, the two products of a tile
-#   are register-blocked matrix products (``_kernels.gemm``), 512 rows x 512
+#   are register-blocked matrix products (``_kernels.gemm``), 256 rows x 512
 #   keys: the softmax costs ~40 ns a row a tile besides ~0.3 ns a score
 #   (512 x 256 tile 62.5 us, 512 x 512 102.6 us, one core), so longer tiles
-#   spread it.  Hq=32 Hkv=8 D=128, 2 threads, 2-core EPYC, medians of 11
-#   alternating calls (ms; rows x keys): full S=1024 512 x 256 89.6, 512 x
-#   512 87.7, 256 x 512 87.7; causal S=2048 187.1 / 186.2 / 186.0; causal
-#   S=512 (256 rows) 13.9 / 14.1 / 13.8; 128-key tiles and 1024 rows were
-#   slower (a sweep of 256-1024 rows x 128-512 keys, medians of 5: causal
-#   S=2048 182.5-195.9, full S=1024 87.2-100.6).  The rows halve, down to
-#   ``MIN_ROWS_PER_TILE``, while there are fewer than ``TARGET_GEMM_ITEMS``
-#   tiles.
+#   spread it; 256 rows then hold a tile's operands in ~1.3 MB a thread
+#   (512 rows: ~2 MB), as much as an L2 holds on most server CPUs.  Hq=32
+#   Hkv=8 D=128, 2 threads, 2-core EPYC, medians of 11 alternating calls
+#   (ms; rows x keys): full S=1024 512 x 256 89.6, 512 x 512 87.7 and 86.4,
+#   256 x 512 87.7 and 86.2; causal S=2048 187.1 / 186.2 and 180.5 / 186.0
+#   and 181.0; causal S=512 (256 rows) 13.9 / 14.1 / 13.8; 128-key tiles and
+#   1024 rows were slower (a sweep of 256-1024 rows x 128-512 keys, medians
+#   of 5: causal S=2048 182.5-195.9, full S=1024 87.2-100.6).  The rows
+#   halve, down to ``MIN_ROWS_PER_TILE``, while there are fewer than
+#   ``TARGET_GEMM_ITEMS`` tiles.
 # * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile:
 #   fewer, longer tiles spread the softmax's per-tile work (2 threads,
 #   medians of 15 interleaved; 64 / 128 / 256 keys: decode Skv=16384
@@ -87,7 +89,7 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #   Skv=16384 (134M) 10424 / 5229 / 2374 / 1509 / 1386.  The rule takes 2,
 #   2, 8 and 16 of them; on 2 cores it changes nothing.
 GEMM_MIN_ROWS = 16
-ROWS_PER_TILE, MIN_ROWS_PER_TILE, GEMM_BLOCK_K = 512, 128, 512
+ROWS_PER_TILE, MIN_ROWS_PER_TILE, GEMM_BLOCK_K = 256, 128, 512
 LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_GEMM_ITEMS = 256, 64
 MIN_CHUNK = 512
