@@ -58,8 +58,9 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 # * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
 #   items (>= 4 per thread up to 64 threads) of chunks of at least
 #   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
-#   gain); ``TARGET_GEMM_ITEMS`` for matrix-product tiles, whose causal pairs balance
-#   already (a split full prefill S=1024 cost 198 against 160 ms).  Small
+#   gain); ``TARGET_GEMM_ITEMS`` for matrix-product tiles, whose causal
+#   pairs balance already (a split full prefill S=1024 cost 198 against 160
+#   ms, with BLAS' products).  Small
 #   calls (below) keep the key range whole.  Whether and where the keys are
 #   split depends on the shapes only: results do not depend on the thread
 #   count.
@@ -228,8 +229,8 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
 # or ``nonpad_kv_seqlen`` (whose values change from call to call) and
 # aligned, C-contiguous, writeable ndarrays as Q, K and V take it.  What
 # else ``run`` reads that may change at run time is part of the signature
-# too: the thread policy above (tests change it); the
-# tile constants are fixed (tests pass tile sizes to ``run`` instead).
+# too: the thread policy above (tests change it); the tile constants are
+# fixed (tests pass tile sizes to ``run`` instead).
 PLANS_KEPT = 64
 _plans = {}
 # Attribute types a signature may hold: immutable, hashed by value.

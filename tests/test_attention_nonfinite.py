@@ -23,7 +23,8 @@ from numkv._runtime import thread_count
 B, HQ, HKV, D = 1, 4, 2, 16
 
 # (block_q, block_k, kv_chunk, gemm_rows): the default; small tiles with the
-# loop kernel; small tiles with the matrix products; a split key range (partials merged).
+# loop kernel; small tiles with the matrix products; a split key range
+# (partials merged).
 RUNS = {
     "default": {},
     "loop-tiles": dict(block_q=3, block_k=7, gemm_rows=1 << 30),

@@ -347,9 +347,10 @@ def test_gqa_equals_mha_with_repeated_kv(args):
             repeated[name] = np.repeat(args[name], group, axis=1)
     # A kv head is an index map: with the loop kernel each query row does the
     # same arithmetic whether its K/V tile is shared with other heads or not
-    # (bit-identical).  The matrix products' tiles hold G heads' rows, so their
-    # query tiles, and with them the key tiles a window starts and the sums'
-    # vectorised order (``_exp_row_sum``), follow G: only float32 rounding may differ.
+    # (bit-identical).  The matrix products' tiles hold G heads' rows, so
+    # their query tiles, and with them the key tiles a window starts and the
+    # sums' vectorised order (``_exp_row_sum``), follow G: only float32
+    # rounding may differ.
     loop, gemm = 1 << 30, 1
     assert_same_bits(_attention.run(_prepare(args), gemm_rows=loop),
                      _attention.run(_prepare(repeated), gemm_rows=loop))

@@ -1,7 +1,8 @@
 """``python -m numkv info``: what numkv runs on, without compiling anything.
 
 Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the register
-blocks of prefill's matrix products, NumPy's BLAS, threads and how they are run, and
+blocks of prefill's matrix products, NumPy's BLAS, threads and how they are
+run, and
 where numba keeps numkv's compiled kernels (and whether it could use the
 directory asked for).
 """

@@ -340,8 +340,8 @@ def measure_and_print_limits():
 def warm_up_kernels():
     """Compile (or load) the kernels the cases call before any is timed,
     saying so first when numba's cache is cold: the float32 attention
-    kernel with the matrix products' tiles, the decode loops and the merge of a split
-    key range; and the scatter kernel.  (Each other K/V format compiles its
+    kernel with the matrix products' tiles, the decode loops and the merge of
+    a split key range; and the scatter kernel.  (Each other K/V format compiles its
     own loops on its case's first, untimed, call.)"""
     from numkv._cli.compile_notice import compile_notice
 

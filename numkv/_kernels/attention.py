@@ -55,8 +55,8 @@ item's ``rows = G * nq`` query rows (head-major: row ``g * nq + i``) are scored
 against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take register-blocked matrix products (``gemm``), which skip the
-blocks past every key their rows attend; few rows (decode) take loops that score four rows
-against four keys per pass (``format_loops._score_keys``) and add a run of
+blocks past every key their rows attend; few rows (decode) take loops that
+score four rows against four keys per pass (``format_loops._score_keys``) and add a run of
 keys' values to four rows at a time, their accumulators held in registers
 over the run (``format_loops._add_values``).
 
@@ -109,9 +109,9 @@ from .format_loops import loop_table, read_in_place  # noqa: F401 (the wrapper's
 
 # The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
 from .layout import (  # noqa: F401
-    BASE, BATCH, BF16, GEMM_ROWS, GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE,
-    DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS,
-    FORMAT_TABLE, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
+    BASE, BATCH, BF16, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ,
+    E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_ROWS, GEMM_SCORES, GEMM_SOFTMAX,
+    GEMM_VALUES, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
     NONE, NOT_STARTED, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
     SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
     TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "8f985edc0195bcfca99c7219425f8671ed3b4a9007baed490392e27b77c5ea7e"
+HELPERS_SHA256 = "bcb8ddbbd56dd9d07645b2fc0848e42802b5607c2237eb13c53a7dd08fdbead6"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 generators consult while they compile (never at run time).
 
 Each answer can be forced for tests (``forcing``), so that both code paths
--- with and without F16C, with and without AVX-512 VBMI -- compile on any
-CPU, and run where the CPU has what the forced path uses.
+-- with and without F16C, AVX-512 VBMI, AVX-512 -- compile on any CPU, and
+run where the CPU has what the forced path uses.
 """
 
 import contextlib

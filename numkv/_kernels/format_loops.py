@@ -33,8 +33,8 @@ from numba import types
 from .._config import c_function, jit
 from .decode_loops import AXPY_RUN_VECTORS, _axpy, _dots
 from .gemm import _gemm_accumulate, _gemm_scores
-from .layout import (BF16, GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0,
-                     F16, F32, F64, FINISH, FORMAT_FIELDS, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
+from .layout import (BF16, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FORMAT_FIELDS,
+                     GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
 from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _max, _min, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "7dbc7879181f89382cc2993bcf213193162d067f9a42341c6ae589f51b4de01b"
+HELPERS_SHA256 = "96bfbb3f98e6d11d6ffee0965e6ab0dc2fb144c3ac6186ccdeade1dfeb57357f"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -61,8 +61,9 @@ def loop_table(acc, q_code, kv, gemm):
     """``TABLES[acc]`` with every function a call may make compiled
     (``addresses``), for its Q's dtype code, ``(dtype code, read in place)``
     of each K / V tensor that has keys (``kv``, a tuple; ``read_in_place``)
-    and whether its tiles take the matrix products; remembered per layout, so a call whose
-    plan is not kept pays one lookup (computing it cost 1.8 us)."""
+    and whether its tiles take the matrix products; remembered per layout,
+    so a call whose plan is not kept pays one lookup (computing it cost 1.8
+    us)."""
     key = (acc, q_code, kv, gemm)
     table = _tables.get(key)
     if table is None:
@@ -85,8 +86,8 @@ def addresses(acc, read, widened, gemm):
     and decode's loops for rows of the accumulation dtype, and the loops of
     the dtype codes ``read`` in place; the widening of the dtype codes
     ``widened``; the matrix products and their softmax where ``gemm`` (the
-    call's tiles have enough query rows).  Two threads may compile at once: each
-    entry is written whole, under a lock."""
+    call's tiles have enough query rows).  Two threads may compile at once:
+    each entry is written whole, under a lock."""
     acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in widened] + [(acc_code, field) for field in (SOFTMAX, SCORES, VALUES, FINISH)]
     wanted += [(code, field) for code in read for field in (SCORES, VALUES)]
@@ -123,8 +124,8 @@ def _compile(acc, code, field):
     # lie apart, the rows, the keys, the row width, whether to prefetch
     # (the cache itself), scratch for K transposed (the tile products'),
     # each query's last key, the queries, the tile's first key, whether some
-    # key of the tile is masked, and the loops' C function of the
-    # accumulation dtype.
+    # key of the tile is masked (``edge``: 1, or 2 where only keys past some
+    # rows' last are), and the loops' C function of the accumulation dtype.
     PRODUCT_ARGS = (rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, *[i64] * 6, rows_ptr, i64,  # noqa: N806
                     types.CPointer(i64), i64, i64, i64, i64, i64)
     if field == SCORES:
