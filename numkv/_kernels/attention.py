@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "bcb8ddbbd56dd9d07645b2fc0848e42802b5607c2237eb13c53a7dd08fdbead6"
+HELPERS_SHA256 = "235924183607e3e99198f76a879e2b50fefc084180a800932aec065b6707ca99"
 
 
 # -- work items --------------------------------------------------------------------------

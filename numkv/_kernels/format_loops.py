@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "96bfbb3f98e6d11d6ffee0965e6ab0dc2fb144c3ac6186ccdeade1dfeb57357f"
+HELPERS_SHA256 = "ee353e4304209a2309cf6a2feb9ed4547df4814c16ee023b817ad85c4eab2e59"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

@@ -5,9 +5,9 @@
 Register blocks, as BLAS kernels and ggml's are made: a block of
 ``BLOCK_ROWS`` rows by a few vectors' columns of the product is held in
 registers while the inner dimension runs, each step one broadcast element
-of each row times those vectors of the right operand (``_block_product``).  The
-left operand's rows are read where they lie (a broadcast needs no
-packing); the right one's rows are vectors: V's rows as they lie in the
+of each row times those vectors of the right operand
+(``_block_product``).  The left operand's rows are read where they lie (a
+broadcast needs no packing); the right one's rows are vectors: V's rows as they lie in the
 cache, and K's tile transposed once (``_transpose``), ``d x n``.
 BLAS packs both operands on every call; on a prefill's tile products
 (then 512 rows x 256 keys x 128) that packing was 7.5% of a causal
@@ -32,7 +32,9 @@ from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max
 # 6 x 64 float32 (24 of AVX-512's 32 registers hold the block), 6 x 16 on
 # AVX2 (12 of 16).  Of 6, 8, 12 and 14 rows x 32 columns and 6 x 64 on the
 # 2-core EPYC, 6 x 64 was fastest (296 / 293 us the two products above, 8
-# x 32 304 / 295 us; the others between).
+# x 32 304 / 295 us; the others between); of AVX2 code on the same core
+# (``NUMBA_CPU_NAME=haswell``), 6 x 16 (313 / 316 us; 5 x 16 327 / 331, 4 x
+# 16 335 / 336, 8 x 8 413 / 417, 3 x 32 spills: 656 / 669).
 BLOCK_ROWS = 6
 
 
@@ -45,8 +47,9 @@ def _block_vectors():
 def describe():
     """The register block as this CPU gets it, in words (``numkv info``)."""
     vector_bytes, vectors = _block_vectors()
+    vectors_of = "AVX-512" if has_avx512() else "32-byte vectors"
     return (f"register blocks of {BLOCK_ROWS} x {vector_bytes // 4 * vectors} float32, "
-            f"{BLOCK_ROWS} x {vector_bytes // 8 * vectors} float64 ({'AVX-512' if has_avx512() else '32-byte vectors'})")
+            f"{BLOCK_ROWS} x {vector_bytes // 8 * vectors} float64 ({vectors_of})")
 
 
 @intrinsic
