@@ -26,8 +26,8 @@ class _GCPause:
     then back as it was: numba's compiler builds and deep-copies hundreds of
     thousands of IR objects, and every few thousand allocations the
     collector walks all of them -- 0.5-0.7 s of a cold first call that took
-    ~6.3 s then (2-core EPYC).  Nested pauses (a kernel compiling its callees) restore
-    it at the outermost end.  Used as a context manager (``c_function``) and
+    ~6.3 s then (2-core EPYC).  Nested pauses (a kernel compiling its
+    callees) restore it at the outermost end.  Used as a context manager (``c_function``) and
     as a listener of numba's compile events (``jit``'s kernels: installed
     with the first).  A collector the user turned off stays off."""
 

@@ -56,9 +56,9 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take register-blocked matrix products (``gemm``), which skip the
 blocks past every key their rows attend; few rows (decode) take loops that
-score four rows against four keys per pass (``format_loops._score_keys``) and add a run of
-keys' values to four rows at a time, their accumulators held in registers
-over the run (``format_loops._add_values``).
+score four rows against four keys per pass (``format_loops._score_keys``)
+and add a run of keys' values to four rows at a time, their accumulators
+held in registers over the run (``format_loops._add_values``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "235924183607e3e99198f76a879e2b50fefc084180a800932aec065b6707ca99"
+HELPERS_SHA256 = "56935a4aee0d2d8ca8b33975b382f3795a0873c281e6d4c697ab9f27b51e19de"
 
 
 # -- work items --------------------------------------------------------------------------

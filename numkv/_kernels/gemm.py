@@ -7,8 +7,9 @@ Register blocks, as BLAS kernels and ggml's are made: a block of
 registers while the inner dimension runs, each step one broadcast element
 of each row times those vectors of the right operand
 (``_block_product``).  The left operand's rows are read where they lie (a
-broadcast needs no packing); the right one's rows are vectors: V's rows as they lie in the
-cache, and K's tile transposed once (``_transpose``), ``d x n``.
+broadcast needs no packing); the right one's rows are vectors: V's rows as
+they lie in the cache, and K's tile transposed once (``_transpose``), ``d
+x n``.
 BLAS packs both operands on every call; on a prefill's tile products
 (then 512 rows x 256 keys x 128) that packing was 7.5% of a causal
 prefill's time, and OpenBLAS' sgemm, packing included, took 335-345 us a

@@ -73,9 +73,9 @@ del _code, _row
 # rows of it into a tile (``widen``); in the row of the accumulation dtype
 # itself, the matrix products of many-row tiles (``gemm_scores``,
 # ``gemm_values``) and the softmax of a tile of scores, for the loops and
-# for those products (``softmax``, ``gemm_softmax``), and the output rows ``y = acc / l``, after merging a
-# split key range's partial softmaxes (``finish``); 0 where not compiled
-# (never called).
+# for those products (``softmax``, ``gemm_softmax``), and the output rows
+# ``y = acc / l``, after merging a split key range's partial softmaxes
+# (``finish``); 0 where not compiled (never called).
 LOOP_FIELDS = ("scores", "values", "widen", "gemm_scores", "gemm_values", "softmax", "gemm_softmax", "finish")
 SCORES, VALUES, WIDEN, GEMM_SCORES, GEMM_VALUES, SOFTMAX, GEMM_SOFTMAX, FINISH = range(len(LOOP_FIELDS))
 N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)

@@ -10,10 +10,10 @@ compile in a fraction of the time (numbers beside each).
 Two kinds of names:
 
 * intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``,
-  ``_maximum``, ``_min``, ``_max``, ``_prefetch``, ``_view``, ``_array``, ``_as_rows``,
-  ``_as_flat``, ``_claim``, ``_count_done``, ``_row_sum``, ``_half_bits``,
-  ``_load_acquire``, ``_store_release``, ``_compare_exchange``, ``_pause``,
-  ``_run``;
+  ``_maximum``, ``_min``, ``_max``, ``_prefetch``, ``_view``, ``_array``,
+  ``_as_rows``, ``_as_flat``, ``_claim``, ``_count_done``, ``_row_sum``,
+  ``_half_bits``, ``_load_acquire``, ``_store_release``,
+  ``_compare_exchange``, ``_pause``, ``_run``;
 * IR builders, called by other generators with an ``llvmlite`` ``builder``:
   ``_broadcast``, ``_splat``, ``_as_i32``, ``_emit_loop``, ``_phis``,
   ``_reduce_lanes``, ``_load``, ``_fmuladd``, ``_emit_prefetch``,

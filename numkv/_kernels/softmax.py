@@ -3,7 +3,8 @@ float32 ``exp`` it takes (``_exp``), and its end: the merge of a split key
 range's partial softmaxes (``_merge_chunks``) and the output rows ``y = acc
 / l`` (``_write_rows``).  Compiled per accumulation dtype into C functions
 of their own (``format_loops``) -- the softmax one for decode's loops and
-one for the matrix products' tiles (``fast_sum``) -- each when a call first needs it.
+one for the matrix products' tiles (``fast_sum``) -- each when a call first
+needs it.
 
 Per row, once per tile: ``m' = max(m, max_j s_j)``, ``alpha = e^(m -
 m')``, ``p_j = e^(s_j - m')``, ``l' = alpha l + sum p_j``; masking *sets*
@@ -26,7 +27,7 @@ from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_sum
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "95802e40d60337144f7ec6590627fbd37c6744c8bb0081c26efca436ba697b07"
+HELPERS_SHA256 = "e061eba1d6d96624d79ea0d3119dfecf4befa81a8df6bafd76d40e9e92a394ad"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -35,8 +36,8 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
     place) and fold them into each row's running max ``m`` and sum ``l``;
     ``alpha[r]`` is the factor the row's accumulator must be rescaled by;
     ``bad[r]`` becomes 1 where a NaN or +inf entered an attended score.
-    ``fast_sum`` (the matrix products' tiles): the weights and their sum in one
-    reassociated pass.
+    ``fast_sum`` (the matrix products' tiles): the weights and their sum in
+    one reassociated pass.
 
     ``edge``: some row's interval ends inside the tile, or a mask applies --
     the scores outside ``[lo, hi]`` and where the mask is -inf become -inf.
@@ -144,8 +145,8 @@ def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
 def _exp_row_sum(s, r, n, m):
     """``s[r, j] = e^(s[r, j] - m)`` and their sum, in one vectorised pass in
     whatever order LLVM picks (for the matrix products' tiles: decode's
-    loops keep a sum's bits across tile lengths).  A 128 x 64 tile: 11.9 us with a separate
-    ``_row_sum``, 7.9 with this."""
+    loops keep a sum's bits across tile lengths).  A 128 x 64 tile: 11.9 us
+    with a separate ``_row_sum``, 7.9 with this."""
     total = s.dtype.type(0.0)
     for j in range(n):
         p = _exp(s[r, j] - m)
