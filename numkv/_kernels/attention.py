@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "56935a4aee0d2d8ca8b33975b382f3795a0873c281e6d4c697ab9f27b51e19de"
+HELPERS_SHA256 = "96b413e4083a9fadf3ad13247db73140685019cc3501cccf8cc8837b37005d30"
 
 
 # -- work items --------------------------------------------------------------------------

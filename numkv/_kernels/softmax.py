@@ -20,14 +20,14 @@ from numba.extending import overload
 
 from .._config import jit
 from .layout import BASE, BLOCK_Q, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, T_Y, V_HEAD_SIZE
-from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_sum
+from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_max, _row_sum
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): numba's disk cache
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "e061eba1d6d96624d79ea0d3119dfecf4befa81a8df6bafd76d40e9e92a394ad"
+HELPERS_SHA256 = "617ae407684e2a69074429e8618665aef6e7e6c40e6db0c86f8c289e5a24959b"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -64,9 +64,7 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
                     bias = mask[at + j * mask_stride_j]
                     s[r, j] = -inf if bias == -inf else s[r, j] + bias
         m_old = m[r]
-        m_new = m_old
-        for j in range(n):
-            m_new = _maximum(m_new, s[r, j])
+        m_new = _maximum(m_old, _row_max(flat, r * n, n))
         # NaN or +inf among the attended scores (masked ones are -inf) makes
         # the row NaN; nothing attended yet: no weights, nothing to rescale.
         if not m_new < inf or m_new == -inf:
