@@ -8,8 +8,9 @@ tests can force with ``_config.REFERENCE``.
 The in-place append of a decode loop (``out=past_cache``, plain ndarrays, an
 int32/int64 ``write_indices`` array) has a fast path in front: the layout's
 checks and plan memoised in ``_appends``, the call's own checks (flags,
-overlap, indices) inlined, and either one NumPy slice assignment (batch 1) or
-one kernel call on the calling thread (float32 4-D arrays handed over whole).
+overlap) inlined, and one kernel call on the calling thread (float32 4-D
+arrays handed over whole; one token with int64 indices: ``append_token``,
+which checks the indices itself), or one NumPy slice assignment (batch 1).
 Whatever it does not take, bad input included, falls through to the general
 path, which raises; nothing is written before every check has passed.
 """
@@ -165,10 +166,14 @@ def tensor_scatter(
                 and out_bits & _WRITEABLE_ALIGNED == _WRITEABLE_ALIGNED and update_bits & _ALIGNED
                 and ((out.base is None and update.base is None and update is not out)
                      or not np.may_share_memory(out, update))):
-            _, window, plan, n_items, n_bytes, utype, circular, last, direct, seq_len, max_seq = append
-            if window is not None:
+            _, window, plan, n_items, n_bytes, utype, circular, last, direct, seq_len, max_seq, token = append
+            # Whole float32 arrays: the kernel views them itself (see
+            # ``_kernels/scatter._units``), no view objects made here (-0.6 us).
+            whole = direct and contiguous and update_bits & _WRITEABLE
+            if window is not None and not (whole and token and w_dtype is _INT64):
                 # Batch 1, a small write: one NumPy slice assignment (no kernel
-                # launch) where it does not wrap: 1.85 against the kernel's 2.6 us.
+                # launch, no views) where it does not wrap: 1.85 us; whole
+                # float32 arrays take append_token (1.75 us).
                 start = int(write_indices[0])
                 if circular:
                     start %= max_seq
@@ -177,15 +182,7 @@ def tensor_scatter(
                 if start <= last:
                     out[window + (slice(start, start + seq_len),)] = update
                     return out
-            # The kernel runs without the GIL: it reads a checked private copy.
-            starts = write_indices.copy() if w_dtype is _INT64 else write_indices.astype(_INT64)
-            if not circular:  # (a loop: min() and max() cost 0.26 us at batch 4, the loop 0.11)
-                for start in starts.tolist():
-                    if not 0 <= start <= last:
-                        _write_positions(starts.tolist(), seq_len, max_seq, False)  # raises, naming the row
-            if direct and contiguous and update_bits & _WRITEABLE:
-                # Whole float32 arrays: the kernel views them itself (see
-                # ``_kernels/scatter._units``), no view objects made here (-0.6 us).
+            if whole:
                 dst, upd = out, update
             elif contiguous:
                 dst = out.ravel().view(utype)
@@ -193,11 +190,24 @@ def tensor_scatter(
             else:
                 dst = flat_units(out, utype.itemsize)
                 upd = flat_units(update, utype.itemsize)
-            kernel = (_kernels or _scatter_kernels()).scatter_items
+            kernels = _kernels or _scatter_kernels()
+            if token and w_dtype is _INT64 and write_indices.flags.num & _C_CONTIGUOUS:
+                # One token into unit-stride rows, on this thread: the kernel
+                # copies and checks the caller's indices itself (a private copy
+                # checked here cost 0.5 us of 2.8 at batch 4).
+                if kernels.append_token(dst, upd, plan, write_indices, circular, last) >= 0:
+                    _write_positions(write_indices.tolist(), seq_len, max_seq, False)  # raises, naming the row
+                return out
+            # The kernel runs without the GIL: it reads a checked private copy.
+            starts = write_indices.copy() if w_dtype is _INT64 else write_indices.astype(_INT64)
+            if not circular:  # (a loop: min() and max() cost 0.26 us at batch 4, the loop 0.11)
+                for start in starts.tolist():
+                    if not 0 <= start <= last:
+                        _write_positions(starts.tolist(), seq_len, max_seq, False)  # raises, naming the row
             if n_bytes < PARALLEL_MIN_BYTES:  # on this thread, as pool.run would (its call costs ~0.3 us)
-                kernel(0, n_items, dst, upd, dst, plan, starts, circular)
+                kernels.scatter_items(0, n_items, dst, upd, dst, plan, starts, circular)
             else:
-                pool.run(kernel, n_items, (dst, upd, dst, plan, starts, circular))
+                pool.run(kernels.scatter_items, n_items, (dst, upd, dst, plan, starts, circular))
             return out
 
     if type(past_cache) is QuantizedArray:  # codes and scales: checked, then scattered as bytes
@@ -307,8 +317,9 @@ _UNSIGNED = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}  # dtypes, not types: a
 def _new_append(key, out, update):
     """The in-place fast path's entry for this layout: ``(batch_shape, window,
     plan, n_items, n_bytes, unsigned dtype, circular, last linear start, direct,
-    seq_len, max_seq)`` (``window``: batch 1's index but the
-    sequence axis, else None; ``direct``: float32 arrays the kernel takes whole), or
+    seq_len, max_seq, token)`` (``window``: batch 1's index but the
+    sequence axis, else None; ``direct``: float32 arrays the kernel takes whole;
+    ``token``: ``append_token`` can take it), or
     None where the general path must run: bad input (it raises there, naming
     the argument), object arrays, empty caches, a dtype without an aligned unit."""
     _, _, dtype, axis, mode = key[:5]
@@ -328,8 +339,10 @@ def _new_append(key, out, update):
             direct = dtype is _FLOAT32 and out.ndim == 4
             # Batch 1: the index of the whole row but the sequence axis.
             window = (slice(None),) * ax if out.shape[0] == 1 and n_bytes < PARALLEL_MIN_BYTES else None
+            # One token into unit-stride rows, small enough for the calling thread.
+            token = seq_len == 1 and plan[5] != 0 and n_bytes < PARALLEL_MIN_BYTES
             entry = ((out.shape[0],), window, plan, n_items, n_bytes, _UNSIGNED[unit], _IS_CIRCULAR[mode],
-                     max_seq - seq_len, direct, seq_len, max_seq)
+                     max_seq - seq_len, direct, seq_len, max_seq, token)
     if len(_appends) >= 1024:
         _appends.clear()
     _appends[key] = entry

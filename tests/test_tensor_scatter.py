@@ -641,21 +641,46 @@ def test_bad_indices_fail_before_the_kernel_runs(form, rng, monkeypatch):
 
 
 def test_the_kernel_reads_a_private_copy_of_write_indices(rng, monkeypatch):
-    """The kernels run without the GIL: what they read must be the checked copy,
-    never the caller's array (which another thread could change)."""
+    """The kernels run without the GIL: what ``scatter_items`` reads must be
+    the checked copy, never the caller's array (which another thread could
+    change)."""
     seen = []
     kernel = scatter_kernels.scatter_items
 
     def spy(*args):
-        seen.append(args[4])
+        seen.append(args[6])
         return kernel(*args)
 
     monkeypatch.setattr(_config, "REFERENCE", False)
     monkeypatch.setattr(scatter_kernels, "scatter_items", spy)
     past = random_values(rng, (2, 3, 10, 2), np.float32)
     w = np.array([1, 2], np.int64)
-    numkv.tensor_scatter(past, random_values(rng, (2, 3, 1, 2), np.float32), w, out=past)
-    assert seen and not np.shares_memory(seen[0], w)
+    for seq in (2, 1):  # in place and functional (in place, seq 1 goes to append_token: below)
+        numkv.tensor_scatter(past, random_values(rng, (2, 3, seq, 2), np.float32), w, out=past)
+        numkv.tensor_scatter(past, random_values(rng, (2, 3, seq, 2), np.float32), w)
+    assert len(seen) == 3 and not any(np.shares_memory(s, w) for s in seen)
+
+
+@pytest.mark.parametrize("circular", [False, True])
+def test_the_one_token_kernel_checks_what_it_reads(circular, rng):
+    """``append_token`` (the fast path's 1-token append) reads the caller's
+    ``write_indices`` itself, once, into a copy of its own: in linear mode a
+    start outside ``0 .. last`` returns its batch row before anything is
+    written, whatever the wrapper checked; circular starts wrap."""
+    cache = random_values(rng, (3, 2, 6, 4), np.float32)
+    update = random_values(rng, (3, 2, 1, 4), np.float32)
+    plan, _, _ = _scatter._make_plan(2, 4, 4, True, cache.shape, update.shape, (cache.strides, update.strides,
+                                                                               cache.strides))
+    before = cache.copy()
+    for w in ([0, 6, 1], [0, 2, -1], [7, 0, 0]):
+        w = np.array(w, np.int64)
+        got = scatter_kernels.append_token(cache, update, plan, w, circular, 5)
+        if circular:
+            expected = oracle.tensor_scatter(before, update, w, mode="circular")
+            assert got == -1 and same_bits(cache, expected)
+            cache[...] = before
+        else:
+            assert got == int(np.flatnonzero((w < 0) | (w > 5))[0]) and same_bits(cache, before)
 
 
 @pytest.mark.parametrize("form", ["functional", "out=other"])
@@ -753,6 +778,7 @@ def test_fast_path_rejects_bad_input_on_a_known_layout(shape, seq, dtype, axis, 
          f"write_indices[{last}] = {max_seq - seq + 1}: {max_seq - seq + 1} + sequence_length {seq} "
          f"> max_sequence_length {max_seq}"),
         (dict(w=negative), ValueError, f"write_indices[{last}] = -1 is negative (linear mode)"),
+        (dict(w=negative.astype(np.int64)), ValueError, f"write_indices[{last}] = -1 is negative (linear mode)"),
         (dict(w=np.zeros(batch, np.float64)), TypeError, "write_indices must be an integer array"),
         (dict(w=np.zeros(batch + 1, np.int64)), ValueError, "write_indices must have shape (batch_size,)"),
         (dict(w=np.zeros((batch, 1), np.int64)), ValueError, "write_indices must have shape (batch_size,)"),
@@ -798,6 +824,8 @@ def test_whole_float32_arrays_compile_one_variant(rng, monkeypatch):
             numkv.tensor_scatter(cache, update, np.zeros(shape[0], np.int64), out=cache)
     whole = [s for s in scatter_kernels.scatter_items.signatures if s[2].dtype == numba_types.float32]
     assert {(s[2].ndim, s[3].ndim, s[4].ndim) for s in whole} == {(4, 4, 4)}
+    whole = [s for s in scatter_kernels.append_token.signatures if s[0].dtype == numba_types.float32]
+    assert {(s[0].ndim, s[1].ndim) for s in whole} == {(4, 4)}
     assert all(s[2].dtype == numba_types.float32 or s[2].ndim == 1 for s in scatter_kernels.scatter_items.signatures)
 
 
