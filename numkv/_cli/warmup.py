@@ -42,7 +42,8 @@ def _dtype(name):
 def _scatter_group():
     """Every element width (1, 2, 4, 8 and 16 bytes, 4-bit types, strings),
     in place / functional / into another buffer, small (serial) and large
-    (parallel), linear and circular, another axis, strided and unaligned."""
+    (parallel), linear and circular, another axis, strided and unaligned,
+    and a decode step's one-token append."""
     rng = np.random.default_rng(0)
     names = ["bool", "int8", "uint8", "int16", "float16", "bfloat16", "int32", "float32",
              "int64", "float64", "complex64", "complex128", "float4_e2m1fn", "int4", "uint4",
@@ -54,6 +55,9 @@ def _scatter_group():
             update = rng.integers(0, 2, shape[:2] + (3, shape[3])).astype(dtype)
             starts = np.array([0, 5] + [1] * (shape[0] - 2))
             numkv.tensor_scatter(cache, update, starts, out=cache)
+            token = np.ascontiguousarray(update[:, :, :1])  # a decode step's append: its own kernel
+            numkv.tensor_scatter(cache, token, starts, out=cache)
+            numkv.tensor_scatter(cache, token, starts - 6, mode="circular", out=cache)
             numkv.tensor_scatter(cache, update, starts)
             numkv.tensor_scatter(cache, update, starts, out=np.empty_like(cache))
             numkv.tensor_scatter(cache, update, starts - 6, mode="circular", out=cache)
