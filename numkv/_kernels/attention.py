@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "96b413e4083a9fadf3ad13247db73140685019cc3501cccf8cc8837b37005d30"
+HELPERS_SHA256 = "5e3b44901f4abfeffceb6c5a93b0c3b5b41256e553af0287ab83f11e691bbb1c"
 
 
 # -- work items --------------------------------------------------------------------------

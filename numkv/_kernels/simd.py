@@ -514,9 +514,9 @@ def _row_sum(typingctx, flat, at, n):
 def _row_max(typingctx, flat, at, n):
     """``max(flat[at:at + n])``, NaN if one of them is NaN, ``-inf`` for
     none: sixteen lanes a vector, a plain ``max`` and a running "NaN seen"
-    mask (``llvm.maximum``'s NaN-and-zero-sign ordering took seven
-    instructions a vector, and a chain of them: ~40% of a 256 x 512 tile's
-    softmax outside the exponentials)."""
+    mask.  (A loop of ``llvm.maximum``, whose NaN and signed-zero order
+    took a chain of seven instructions a vector: a 256 x 512 tile's softmax
+    62.5 us with it, 54.8 with this.)"""
     if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"
             and isinstance(flat.dtype, types.Float) and isinstance(at, types.Integer) and isinstance(n, types.Integer)):
         return None

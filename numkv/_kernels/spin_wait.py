@@ -30,7 +30,7 @@ from .simd import _emit_loop, _emit_pause, _load_acquire, _pause, _store_release
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "617ae407684e2a69074429e8618665aef6e7e6c40e6db0c86f8c289e5a24959b"
+HELPERS_SHA256 = "271d36c2497d9639005ed7567d98fcf5eb4cff85f6756130100b4c7a76a5c351"
 
 # How long a joined call's caller spins for its workers before it leaves the
 # waiting to Python (which sleeps): as ``pool.SPIN_POLLS``.
