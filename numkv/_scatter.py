@@ -8,9 +8,10 @@ tests can force with ``_config.REFERENCE``.
 The in-place append of a decode loop (``out=past_cache``, plain ndarrays, an
 int32/int64 ``write_indices`` array) has a fast path in front: the layout's
 checks and plan memoised in ``_appends``, the call's own checks (flags,
-overlap) inlined, and one kernel call on the calling thread (float32 4-D
-arrays handed over whole; one token with int64 indices: ``append_token``,
-which checks the indices itself), or one NumPy slice assignment (batch 1).
+overlap, indices) inlined, and one kernel call on the calling thread
+(float32 4-D arrays handed over whole; one token with int64 indices:
+``append_token``, which copies and checks the indices itself), or one NumPy
+slice assignment (batch 1).
 Whatever it does not take, bad input included, falls through to the general
 path, which raises; nothing is written before every check has passed.
 """
@@ -195,8 +196,9 @@ def tensor_scatter(
                 # One token into unit-stride rows, on this thread: the kernel
                 # copies and checks the caller's indices itself (a private copy
                 # checked here cost 0.5 us of 2.8 at batch 4).
-                if kernels.append_token(dst, upd, plan, write_indices, circular, last) >= 0:
-                    _write_positions(write_indices.tolist(), seq_len, max_seq, False)  # raises, naming the row
+                bad, start = kernels.append_token(dst, upd, plan, write_indices, circular)
+                if bad >= 0:  # (what the kernel read: the caller's array may have changed since)
+                    raise _index_error(bad, start, seq_len, max_seq)
                 return out
             # The kernel runs without the GIL: it reads a checked private copy.
             starts = write_indices.copy() if w_dtype is _INT64 else write_indices.astype(_INT64)

@@ -1,7 +1,7 @@
-"""``simd._row_max``, the softmax's running maximum (LLVM IR, sixteen lanes
-a vector, a "NaN seen" mask): against NumPy's ``max`` over rows of every
-length around the vector and loop widths, at any offset, with NaN, +-inf
-and signed zeros anywhere in them."""
+"""``simd._row_max``, the softmax's running maximum (LLVM IR, a register's
+lanes a vector, a "NaN seen" mask): against NumPy's ``max`` over rows of
+every length around the vector and loop widths, at any offset, with NaN,
++-inf and zeros anywhere in them (a zero maximum's sign is either)."""
 
 import numba
 import numpy as np

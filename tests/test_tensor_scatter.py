@@ -664,23 +664,44 @@ def test_the_kernel_reads_a_private_copy_of_write_indices(rng, monkeypatch):
 @pytest.mark.parametrize("circular", [False, True])
 def test_the_one_token_kernel_checks_what_it_reads(circular, rng):
     """``append_token`` (the fast path's 1-token append) reads the caller's
-    ``write_indices`` itself, once, into a copy of its own: in linear mode a
-    start outside ``0 .. last`` returns its batch row before anything is
-    written, whatever the wrapper checked; circular starts wrap."""
+    ``write_indices`` itself, once, into a copy of its own, and leaves the
+    caller's array as it was: in linear mode a start outside ``0 .. max_seq
+    - 1`` returns its batch row and value before anything is written,
+    whatever the wrapper checked; circular starts wrap."""
     cache = random_values(rng, (3, 2, 6, 4), np.float32)
     update = random_values(rng, (3, 2, 1, 4), np.float32)
     plan, _, _ = _scatter._make_plan(2, 4, 4, True, cache.shape, update.shape, (cache.strides, update.strides,
-                                                                               cache.strides))
+                                                                                cache.strides))
     before = cache.copy()
-    for w in ([0, 6, 1], [0, 2, -1], [7, 0, 0]):
+    for w in ([0, 6, 1], [0, 2, -1], [7, 0, 0], [-7, 5, 13]):
         w = np.array(w, np.int64)
-        got = scatter_kernels.append_token(cache, update, plan, w, circular, 5)
+        given = w.copy()
+        got = scatter_kernels.append_token(cache, update, plan, w, circular)
+        assert np.array_equal(w, given)
         if circular:
             expected = oracle.tensor_scatter(before, update, w, mode="circular")
-            assert got == -1 and same_bits(cache, expected)
+            assert got == (-1, 0) and same_bits(cache, expected)
             cache[...] = before
         else:
-            assert got == int(np.flatnonzero((w < 0) | (w > 5))[0]) and same_bits(cache, before)
+            row = int(np.flatnonzero((w < 0) | (w > 5))[0])
+            assert got == (row, w[row]) and same_bits(cache, before)
+
+
+def test_a_bad_start_the_kernel_read_raises_whatever_the_array_holds_now(rng, monkeypatch):
+    """The error names what ``append_token`` read, even where another thread
+    has changed the caller's array since (the kernel runs without the GIL):
+    the call raises, it does not return as if it had written."""
+    monkeypatch.setattr(_config, "REFERENCE", False)
+    cache = random_values(rng, (2, 3, 10, 2), np.float32)
+    update = random_values(rng, (2, 3, 1, 2), np.float32)
+    w = np.array([1, 2], np.int64)
+    numkv.tensor_scatter(cache, update, w, out=cache)  # caches the layout
+    before = cache.copy()
+    monkeypatch.setattr(scatter_kernels, "append_token", lambda *args: (1, 10))  # read 10, now 2
+    with pytest.raises(ValueError, match=re.escape("write_indices[1] = 10: 10 + sequence_length 1 > "
+                                                   "max_sequence_length 10")):
+        numkv.tensor_scatter(cache, update, w, out=cache)
+    assert same_bits(cache, before)
 
 
 @pytest.mark.parametrize("form", ["functional", "out=other"])
@@ -751,8 +772,10 @@ def test_fast_path_equals_the_oracle(shape, seq, dtype, axis, mode, rng, monkeyp
         if step == 4:  # a strided view of a bigger array (not C-contiguous)
             update = np.repeat(update, 2, axis=-1)[..., ::2] if update.ndim > 2 else update
         expected = oracle.tensor_scatter(expected, np.array(update), w, axis=axis, mode=mode)
+        given = w.copy()
         assert numkv.tensor_scatter(cache, update, w, axis=axis, mode=mode, out=cache) is cache
         assert same_bits(cache, expected), f"step {step}, write_indices {w}"
+        assert np.array_equal(w, given), "the call changed the caller's write_indices"
 
 
 @pytest.mark.parametrize("shape, seq, dtype, axis", [pytest.param(*c[1:], id=c[0]) for c in FAST_CASES])

@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "5e3b44901f4abfeffceb6c5a93b0c3b5b41256e553af0287ab83f11e691bbb1c"
+HELPERS_SHA256 = "4f7d4a739b1e12f4b73c3acbca38b63e7de5b8df3234045670745f3f96abcc2f"
 
 
 # -- work items --------------------------------------------------------------------------

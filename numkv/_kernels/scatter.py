@@ -69,12 +69,7 @@ def scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circ
         # wrap.  The general loop below spends ~6 ns an item deciding what
         # this branch knows: the kernel's work (its dispatch aside) at 32 rows
         # of 512 bytes, 0.67 -> 0.49 us, a median of interleaved CPU times.
-        upd_rows = rows + n_rows
-        for p in range(first, stop):
-            start = write_indices[plan[batch_of + p]]
-            if circular:
-                start %= max_seq
-            _copy_units(dst, plan[rows + p] + start * dst_seq, upd, plan[upd_rows + p], n_cols)
+        _token_rows(dst, upd, plan, write_indices, first, stop, circular)
         return
     n_pos = max_seq if copy_all else seq_len
     n_chunks = (n_pos + chunk - 1) // chunk
@@ -135,29 +130,41 @@ def scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circ
 
 
 @jit()
-def append_token(dst_in, upd_in, plan, write_indices, circular, last):
+def append_token(dst_in, upd_in, plan, write_indices, circular):
     """The wrapper's in-place fast path for a 1-token append of unit-stride
     rows (``plan``'s ``seq_len`` 1, ``contiguous``, not ``copy_all``): every
     row of ``upd`` to ``write_indices[b]`` (modulo ``max_seq`` where
     ``circular``), on the calling thread.  ``write_indices`` is the caller's
     int64 array, read once into a copy of the kernel's own and checked here
     (this kernel runs without the GIL; a copy and a check in Python cost 0.5
-    us of a 2.8 us append).  Linear mode: the first batch row whose start is
-    outside ``0 .. last`` is returned with nothing written (the wrapper
-    raises, naming it); else -1."""
+    us of a 2.8 us append).  Returns ``(-1, 0)`` when done; in linear mode,
+    for a start outside ``0 .. max_seq - 1``, the first such batch row and
+    the start it read, with nothing written (the wrapper raises, naming
+    them)."""
     dst, upd = _units(dst_in), _units(upd_in)
-    n_rows, n_cols, max_seq, dst_seq = plan[0], plan[1], plan[3], plan[6]
     starts = write_indices.copy()
-    for b in range(starts.size):
-        if circular:
-            starts[b] %= max_seq  # Python's modulo: negative indices count from the end
-        elif not 0 <= starts[b] <= last:
-            return b
+    if not circular:
+        last = plan[3] - 1
+        for b in range(starts.size):
+            if not 0 <= starts[b] <= last:
+                return b, starts[b]
+    _token_rows(dst, upd, plan, starts, 0, plan[0], circular)
+    return -1, 0
+
+
+@jit(inline=True)
+def _token_rows(dst, upd, plan, starts, first, stop, circular):
+    """Prefix rows ``first .. stop`` of a 1-token append (one run of
+    ``n_cols`` units a row): ``upd``'s row to position ``starts[b]`` of
+    ``dst``'s (modulo ``max_seq`` where ``circular``)."""
+    n_rows, n_cols, max_seq, dst_seq = plan[0], plan[1], plan[3], plan[6]
     rows = HEADER
     upd_rows, batch_of = rows + n_rows, rows + 3 * n_rows
-    for p in range(n_rows):
-        _copy_units(dst, plan[rows + p] + starts[plan[batch_of + p]] * dst_seq, upd, plan[upd_rows + p], n_cols)
-    return -1
+    for p in range(first, stop):
+        start = starts[plan[batch_of + p]]
+        if circular:
+            start %= max_seq  # Python's modulo: negative indices count from the end
+        _copy_units(dst, plan[rows + p] + start * dst_seq, upd, plan[upd_rows + p], n_cols)
 
 
 @jit(inline=True)

@@ -29,6 +29,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu import has_avx512
+
 
 # Bytes a vector of the loops holds: one AVX-512 register (two AVX2 ones).
 VECTOR_BYTES = 64
@@ -512,18 +514,20 @@ def _row_sum(typingctx, flat, at, n):
 
 @intrinsic
 def _row_max(typingctx, flat, at, n):
-    """``max(flat[at:at + n])``, NaN if one of them is NaN, ``-inf`` for
-    none: sixteen lanes a vector, a plain ``max`` and a running "NaN seen"
-    mask.  (A loop of ``llvm.maximum``, whose NaN and signed-zero order
-    took a chain of seven instructions a vector: a 256 x 512 tile's softmax
-    62.5 us with it, 54.8 with this.)"""
+    """``max(flat[at:at + n])`` (``n >= 0``, ``at + n`` within ``flat``),
+    NaN if one of them is NaN, ``-inf`` for none; the sign of a zero
+    maximum is either.  A register's lanes a vector (AVX-512's or AVX2's),
+    a plain ``max`` and a running "NaN seen" mask.  (A loop of
+    ``llvm.maximum``, whose NaN and signed-zero order took a chain of seven
+    instructions a vector: a 256 x 512 tile's softmax 62.5 us with it, 54.8
+    with this.)"""
     if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"
             and isinstance(flat.dtype, types.Float) and isinstance(at, types.Integer) and isinstance(n, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
         real = context.get_value_type(sig.args[0].dtype)
-        lanes, unroll = 16, 4
+        lanes, unroll = (64 if has_avx512() else 32) // _BYTES[str(real)], 4
         i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, lanes)
         flags = ir.VectorType(ir.IntType(1), lanes)
         ary = context.make_array(sig.args[0])(context, builder, args[0])
