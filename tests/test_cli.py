@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -330,37 +331,43 @@ def test_random_bad_values_are_usage_errors(option, data):
 
 # --- the demo's timings ------------------------------------------------------------------
 
-TIMED_COMPILES = r"""
-from numkv.__main__ import main
-from numkv._cli import demo
-from numkv._cli.compile_notice import CompileWatch
 
-watch, timed = CompileWatch(), demo._timed
+def test_the_demo_compiles_nothing_inside_its_timed_runs(monkeypatch, capsys):
+    """The demo's warm-up fetches every C function its timed runs call --
+    prompts of 8-16 tokens prefill through the tile products, and a float16
+    cache's keys are widened into them -- so that from an empty numba cache
+    tokens/s and speed-ups measure decoding, not numba's compiler.  (Its
+    warm-up on prompts of 2 tokens took the loops, and the timed runs
+    compiled the products.)  Run with the loop tables and kept plans
+    emptied, so that every C function a call needs is fetched again
+    (``format_loops._compile``, from the disk cache): none may be in a timed
+    run."""
+    from numkv import _attention
+    from numkv._cli import demo
+    from numkv._kernels import format_loops
 
+    monkeypatch.setattr(format_loops, "TABLES", np.zeros_like(format_loops.TABLES))
+    monkeypatch.setattr(format_loops, "_tables", {})
+    monkeypatch.setattr(format_loops, "_compiled", {})
+    monkeypatch.setattr(_attention, "_plans", {})
+    phase, fetched = ["warm-up"], []
+    compile_, timed = format_loops._compile, demo._timed
 
-def watched(*args, **kwargs):
-    with watch.installed():
+    def fetch(acc, code, field):
+        fetched.append((phase[0], code, format_loops.LOOP_FIELDS[field]))
+        return compile_(acc, code, field)
+
+    def timed_run(*args, **kwargs):
+        phase[0] = "timed"
         return timed(*args, **kwargs)
 
-
-demo._timed = watched
-assert main(["demo", "--size", "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "2",
-             "--kv-dtype", "float16", "--threads", "1"]) == 0
-print("TIMED COMPILES", watch.kernels)
-"""
-
-
-def test_the_demo_compiles_nothing_inside_its_timed_runs(tmp_path):
-    """From an empty numba cache the demo's warm-up compiles what its timed
-    runs take -- prompts of 8-16 tokens prefill through the tile products,
-    and a float16 cache's are widened into them -- so that tokens/s and
-    speed-ups measure decoding, not numba's compiler.  (Its warm-up on
-    prompts of 2 tokens took the loops: the timed runs then compiled.)"""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", TIMED_COMPILES], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "TIMED COMPILES []", done.stdout.strip().splitlines()[-1]
+    monkeypatch.setattr(format_loops, "_compile", fetch)
+    monkeypatch.setattr(demo, "_timed", timed_run)
+    assert main(["demo", "--size", "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "2",
+                 "--kv-dtype", "float16", "--threads", "1"]) == 0
+    capsys.readouterr()
+    assert ("warm-up", format_loops.F32, "gemm_scores") in fetched, fetched  # the tile products were fetched
+    assert [f for f in fetched if f[0] == "timed"] == []
 
 
 # --- the demo's quantised caches (issue 28) ----------------------------------------------
