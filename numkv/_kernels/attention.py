@@ -11,7 +11,7 @@ Skv`` keys in all, ``D`` Q/K head size, ``Dv`` V head size.
 The modules beside this one, each imported only by those above it::
 
     layout        the contract with the wrapper: ints/desc/floats slots, dtype codes
-    cpu           what the CPU numba compiles for can do (F16C, AVX-512 VBMI)
+    cpu           what the CPU numba compiles for can do (F16C, AVX-512, AVX-512 VBMI)
     simd          the LLVM IR toolkit: views, prefetches, loops, lane reductions
     gemm          prefill's matrix products: register blocks in LLVM IR
     widen         bits -> float per K/V format; tiles; the formats read in place
