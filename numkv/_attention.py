@@ -36,8 +36,8 @@ SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 #
 # * Prefill: with at least ``GEMM_MIN_ROWS`` rows, the two products of a tile
 #   are register-blocked matrix products (``_kernels.gemm``), 256 rows x 512
-#   keys: the softmax costs ~60 ns a row a tile besides ~0.3 ns a score
-#   (256 x 128 tile 25 us, 256 x 1024 93 us, one core,
+#   keys: the softmax costs ~13 ns a row a tile besides ~0.29 ns a score
+#   (256 x 128 tile 12.8 us, 256 x 1024 78.5 us, one core,
 #   ``tools/softmax_tile.py``), so longer tiles spread it; 256 rows then hold a tile's operands in ~1.3 MB a thread
 #   (512 rows: ~2 MB), as much as an L2 holds on most server CPUs.  Hq=32
 #   Hkv=8 D=128, 2 threads, 2-core EPYC, medians of 11 alternating calls

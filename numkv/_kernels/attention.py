@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "4f7d4a739b1e12f4b73c3acbca38b63e7de5b8df3234045670745f3f96abcc2f"
+HELPERS_SHA256 = "c87502ca312d9266b9a72c9e22cd69007058faa58df97015c8fe9394ac33cce3"
 
 
 # -- work items --------------------------------------------------------------------------

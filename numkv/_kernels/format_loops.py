@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "9fe8d1dbf3fbe9dc57b9e3ee69bad79eafc2dd79b480e584c5fa3e5fc8f2579f"
+HELPERS_SHA256 = "68bcbaaaf079221834888a868ce9ec4627d2bbccb1324d0363fd73880ac2c2f8"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

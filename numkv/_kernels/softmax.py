@@ -27,7 +27,7 @@ from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_max, 
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "963b5a578b61e1ecae464e4b7a650073609cebac44600fff9644e06dd64d2c91"
+HELPERS_SHA256 = "9450bed5b61f0c2dcfd19a246ffbffd367bcb464ffe24a3086820203fc6bb24b"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
