@@ -116,14 +116,15 @@ from .layout import (  # noqa: F401
     SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
     TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
-from .simd import LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _max, _min, _run, _view
+from .simd import (LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _full_width_loops, _max, _min,
+                   _run, _view)
 from .spin_wait import _join_workers, _post_jobs
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "c87502ca312d9266b9a72c9e22cd69007058faa58df97015c8fe9394ac33cce3"
+HELPERS_SHA256 = "44ddd90673c00c1ad239a51fbdcbaea89718306a32db09b037f783e89f85c07e"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -148,6 +149,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     of calls re-optimises all the code below it, and this one cost ~4 s of
     compile time.)  Run ``joined`` (``pool.run``): ``flags``, ``call`` and
     ``role`` are the pool's (``spin_wait``)."""
+    _full_width_loops()
     if role == 0:
         _post_jobs(flags, call)
     elif not _compare_exchange(call, role, NOT_STARTED, STARTED):  # called off: the caller has finished

@@ -36,7 +36,7 @@ from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FORMAT_FIELDS,
                      GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
                      TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
-from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _max, _min, _run, _view
+from .simd import PREFETCH_KEYS, VECTOR_BYTES, _array, _as_rows, _full_width_loops, _max, _min, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
                     _rows_float16, _rows_float32, _rows_float64, _rows_fnuz, _rows_quantized)
@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "68bcbaaaf079221834888a868ce9ec4627d2bbccb1324d0363fd73880ac2c2f8"
+HELPERS_SHA256 = "0e64fa2bd098caf17035f454b4382f3d6061347819aa72651941e003b35ffb5a"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -132,6 +132,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
                    scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+            _full_width_loops()
             _score_keys(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
             return 1
@@ -140,6 +141,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
                    scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+            _full_width_loops()
             _add_values(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
             return 1
@@ -148,6 +150,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def gemm_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
                         scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+            _full_width_loops()
             queries = _array(q, q_size)
             _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _array(s, s_size), rows, n, d_k,
                          _array(scratch, scratch_size), _array(hi, hi_size), nq, j0)
@@ -157,6 +160,7 @@ def _compile(acc, code, field):
         @c_function(types.int64(*PRODUCT_ARGS))
         def gemm_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
                         scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+            _full_width_loops()
             weights, sums, raw = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
             values = _view(raw, weights)
             # The tile product cannot leave masked keys out (0 * inf is NaN):
@@ -181,6 +185,7 @@ def _compile(acc, code, field):
         def softmax(s, s_size, lo, lo_size, hi, hi_size, mask, mask_size, m, m_size, l, l_size, alpha, alpha_size,
                     bad, bad_size, rows, n, nq, j0, edge, mask_base, stride_i, stride_j, stride_g, softcap,
                     score_scale):
+            _full_width_loops()
             _softmax_tile(_as_rows(_array(s, s_size), n), rows, n, nq, j0, _array(lo, lo_size), _array(hi, hi_size),
                           edge != 0, _array(mask, mask_size), mask_base, stride_i, stride_j, stride_g, as_real(softcap),
                           as_real(score_scale), _array(m, m_size), _array(l, l_size), _array(alpha, alpha_size),
@@ -194,6 +199,7 @@ def _compile(acc, code, field):
                                 i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64))
         def finish(y, y_size, ints, ints_size, desc, desc_size, acc, acc_size, l, l_size, bad, bad_size, part_m,
                    part_m_size, part_l, part_l_size, part_acc, part_acc_size, b, hk, qt_index, rows, at, chunks):
+            _full_width_loops()
             layout = _array(ints, ints_size)
             d_v, rows_max = layout[V_HEAD_SIZE], layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
             tile, sums, nan = _as_rows(_array(acc, acc_size), d_v), _array(l, l_size), _array(bad, bad_size)
@@ -210,6 +216,7 @@ def _compile(acc, code, field):
                             types.CPointer(types.int64), i64, i64, i64, i64, i64, i64, i64))
     def widen(dst, dst_size, buf, buf_size, table, table_size, formats, formats_size, r0, n, width, base,
               seq_stride, stride):
+        _full_width_loops()
         raw = _array(buf, buf_size)
         _prefetch_rows(raw, code, n, width, base, seq_stride, stride)
         out, lut = _as_rows(_array(dst, dst_size), width), _array(table, table_size)

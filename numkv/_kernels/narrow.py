@@ -8,14 +8,14 @@ import numpy as np
 
 from .._config import jit
 from .cpu import has_f16c  # noqa: F401  (the wrapper asks here: ``to_float16`` is for F16C)
-from .simd import _half_bits
+from .simd import _full_width_loops, _half_bits
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): numba's disk cache
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "d9922c4b12d130896bfc77607a76fa99996ceb8fba2ccaaadf00c242f943454e"
+HELPERS_SHA256 = "18fa184ede92e646da16985f15dccaa7cb3f45d585c6d4d244b5eed675c78936"
 
 CHUNK = 1 << 16  # elements a work item
 
@@ -23,6 +23,7 @@ CHUNK = 1 << 16  # elements a work item
 @jit()
 def to_float16(first, stop, src, dst):
     """``dst = float16 bits of src`` (both flat), chunks ``first .. stop``."""
+    _full_width_loops()
     for c in range(first, stop):
         for i in range(np.uint64(c * CHUNK), np.uint64(min(src.size, (c + 1) * CHUNK))):
             dst[i] = _half_bits(src[i])

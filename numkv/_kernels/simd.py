@@ -13,7 +13,7 @@ Two kinds of names:
   ``_maximum``, ``_min``, ``_max``, ``_prefetch``, ``_view``, ``_array``,
   ``_as_rows``, ``_as_flat``, ``_claim``, ``_count_done``, ``_row_sum``, ``_row_max``,
   ``_half_bits``, ``_load_acquire``, ``_store_release``,
-  ``_compare_exchange``, ``_pause``, ``_run``;
+  ``_compare_exchange``, ``_pause``, ``_run``, ``_full_width_loops``;
 * IR builders, called by other generators with an ``llvmlite`` ``builder``:
   ``_broadcast``, ``_splat``, ``_as_i32``, ``_emit_loop``, ``_phis``,
   ``_reduce_lanes``, ``_load``, ``_fmuladd``, ``_emit_prefetch``,
@@ -59,6 +59,28 @@ def _float32_from_bits(typingctx, bits):
         return builder.bitcast(low, context.get_value_type(types.float32))
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _full_width_loops(typingctx):
+    """No code: LLVM vectorises the loops of the function that calls it (its
+    own, and its ``inline`` helpers') with vectors of the width the IR here
+    uses, a whole AVX-512 register where the CPU has one.  LLVM's tuning
+    for Intel's AVX-512 CPUs (``skylake-avx512`` to ``graniterapids``, the
+    CPU names numba compiles for there) prefers 256-bit vectors for the
+    loops it vectorises, so on those CPUs the softmax's exponentials ran in
+    halves of a register while the products' IR filled it; AMD's
+    ``znver4`` prefers 512 bits already (``tests/test_vector_width.py``).
+    The attention kernel, its C functions and the float16 narrowing call
+    it; the scatter's copies and the read-bandwidth probe are bound by
+    memory, not by the vectors' width."""
+    def codegen(context, builder, sig, args):
+        if has_avx512():
+            # (a string attribute: llvmlite's ``add`` accepts LLVM's keyword attributes only)
+            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 @intrinsic

@@ -20,14 +20,14 @@ from numba.extending import overload
 
 from .._config import jit
 from .layout import BASE, BLOCK_Q, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, T_Y, V_HEAD_SIZE
-from .simd import _as_flat, _float32_from_bits, _max, _maximum, _min, _row_max, _row_sum
+from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximum, _min, _row_max, _row_sum
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): numba's disk cache
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "9450bed5b61f0c2dcfd19a246ffbffd367bcb464ffe24a3086820203fc6bb24b"
+HELPERS_SHA256 = "953ed0571f8b23b14a13d3a8298f900ec9b1853f5934a3f219f26cecd94bf075"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -145,6 +145,7 @@ def _exp_row_sum(s, r, n, m):
     whatever order LLVM picks (for the matrix products' tiles: decode's
     loops keep a sum's bits across tile lengths).  A 128 x 64 tile: 11.9 us
     with a separate ``_row_sum``, 7.9 with this."""
+    _full_width_loops()
     total = s.dtype.type(0.0)
     for j in range(n):
         p = _exp(s[r, j] - m)
