@@ -658,8 +658,11 @@ class StaticKVCache(_KVCache):
         furthest position written since reset (padding included).  So the
         ring is sound iff ``lens[b] - window + 1 >= high[b] - C``, that is
         ``lens[b] >= high[b] - max_chunk``; then stale slots also sit a full
-        window behind every later query, and the window mask hides them."""
-        bad = np.flatnonzero(lens < high - self.max_chunk)
+        window behind every later query, and the window mask hides them.  Or
+        iff ``high[b] <= C``: nothing has wrapped, so nothing was overwritten
+        (there are no positions below 0 to need), and the slots written past
+        ``lens[b]`` hold positions the slot order reads as none yet."""
+        bad = np.flatnonzero((lens < high - self.max_chunk) & (high > self.capacity))
         if bad.size:
             b = int(bad[0])
             raise ValueError(

@@ -304,6 +304,33 @@ def test_circular_ragged_padding(rng):
     _chunks_vs_oracle(rng, cache, sizes, [np.array(x) for x in lengths], window=4)
 
 
+def test_circular_ragged_prefill_before_the_ring_wraps(rng):
+    """A right-padded prefill into a ring of window = max_seq_len (max_chunk
+    1), then decode steps that wrap it: nothing has wrapped when the padding
+    is written, so nothing it overwrote is needed (refused before the
+    adversarial review of 2026-11-27)."""
+    cache = StaticKVCache(2, 2, 8, 8, mode="circular")
+    sizes = [3] + [1] * 10
+    lengths = [np.array([3, 1])] + [np.array([1, 1])] * 10
+    _chunks_vs_oracle(rng, cache, sizes, lengths, window=8)
+
+
+def test_circular_crop_before_the_ring_wraps(rng):
+    """A crop of more than max_chunk tokens before the ring has wrapped: the
+    positions kept were never overwritten."""
+    cache, linear = StaticKVCache(1, 1, 8, 2, mode="circular"), StaticKVCache(1, 1, 8, 2)
+    k = rng.standard_normal((1, 1, 6, 2)).astype(np.float32)
+    for c in (cache, linear):
+        c.append(k[:, :, :3], k[:, :, :3])
+        c.append(k[:, :, 3:4], k[:, :, 3:4])
+        c.crop(2)
+        c.append(k[:, :, 4:], k[:, :, 4:])
+    q = rng.standard_normal((1, 1, 2, 2)).astype(np.float32)
+    assert cache.seq_lens.tolist() == [4]
+    np.testing.assert_allclose(numkv.attention(q, **cache.attention_inputs()),
+                               numkv.attention(q, **linear.attention_inputs()), rtol=1e-6, atol=1e-6)
+
+
 def test_linear_ragged_attention_inputs(rng):
     cache = StaticKVCache(3, 2, 16, 8)
     sizes = [4, 1, 3, 1, 2]
