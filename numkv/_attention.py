@@ -396,10 +396,12 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     n_items, rows = b * hkv * n_units, group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
     loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm)
+    with np.errstate(over="ignore"):  # a scale's root beyond the dtype's range is inf, as in the reference
+        floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
     plan = _Plan(
         ints=ints,
         desc=desc,
-        floats=np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype),
+        floats=floats,
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         small=threads == 1, claimed=CLAIM_ITEMS and threads > 1, threads=threads,

@@ -11,6 +11,8 @@
   as the kernel (issue 27).
 """
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -166,14 +168,18 @@ def test_nan_with_split_keys_on_several_threads(rng, monkeypatch):
     assert np.array_equal(results[0], results[1], equal_nan=True)
 
 
-@pytest.mark.parametrize("scale", [1e39, 1e-46, 3e38])
+@pytest.mark.parametrize("scale", [1e39, 1e-46, 3e38, 1e300])
 def test_scale_beyond_float32_gives_the_references_float32_values(rng, scale):
     """The reference multiplies Q and K by ``sqrt(scale)`` each (in the input
     dtype): a scale that float32 cannot hold still gives finite scores where
-    they fit, and overflowing ones (+inf: a NaN row) where they do not."""
+    they fit, and overflowing ones (+inf: a NaN row) where they do not --
+    without a warning from numkv (1e300's root overflowed a cast, which
+    ``-W error`` turned into an exception)."""
     q, k, v = inputs(rng, sq=4, skv=8)
     q *= np.float32(1e-3)
-    y = numkv.attention(q, k, v, scale=scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = numkv.attention(q, k, v, scale=scale)
     reference = oracle.attention(q, k, v, scale=scale, float64=False)[0]
     assert (np.isnan(y) == np.isnan(reference)).all()
     finite = ~np.isnan(y)
