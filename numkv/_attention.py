@@ -136,17 +136,21 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
     Q : array, shape ``(B, Hq, Sq, D)``, or ``(B, Sq, Hq * D)`` with ``q_num_heads``
         Queries: float16, bfloat16, float32, float64 or an ``ml_dtypes`` float8
         type.  Strided views are read in place (anything NumPy can view
-        without copying: ndarray subclasses, ``__array__``, ``__dlpack__``).
-    K : array, shape ``(B, Hkv, Skv, D)``, or ``(B, Skv, Hkv * D)`` with ``kv_num_heads``
-        Keys; ``Hq`` must be a multiple of ``Hkv``.
-    V : array, shape ``(B, Hkv, Skv, Dv)``, or ``(B, Skv, Hkv * Dv)``
+        without copying: ndarray subclasses, ``__array__``, ``__dlpack__``;
+        a list is a ``TypeError``, as for every array argument but
+        ``nonpad_kv_seqlen``).
+    K : array or QuantizedArray, shape ``(B, Hkv, Skv, D)``, or ``(B, Skv, Hkv * D)`` with ``kv_num_heads``
+        Keys; ``Hq`` must be a multiple of ``Hkv``.  A ``QuantizedArray``
+        (``numkv.quantize``: q8_0, q4_0, int8, int4) is read as codes and
+        scales inside the kernel, never dequantised whole.
+    V : array or QuantizedArray, shape ``(B, Hkv, Skv, Dv)``, or ``(B, Skv, Hkv * Dv)``
         Values.
     attn_mask : array, optional
         bool (True attends) or additive (integer or float), of any rank 1-4
         that broadcasts to ``(B, Hq, Sq, T)`` with ``T = P + Skv`` the total
         sequence length; a last dimension shorter than ``T`` is padded with
         -inf / False.  Byte order does not matter.
-    past_key, past_value : array, shape ``(B, Hkv, P, D)`` / ``(B, Hkv, P, Dv)``, optional
+    past_key, past_value : array or QuantizedArray, shape ``(B, Hkv, P, D)`` / ``(B, Hkv, P, Dv)``, optional
         A past to attend before ``K`` / ``V`` (given together; ``P`` may be 0).
     nonpad_kv_seqlen : int array, shape ``(B,)``, optional
         An external cache: row ``b`` attends keys ``j < nonpad_kv_seqlen[b]``
@@ -640,7 +644,7 @@ def _float_input(x, name):
         raise TypeError(f"{name} is required")
     if type(x) is QuantizedArray:  # K or V: codes and scales, read in the kernel
         return check_attention_operand(x, name)
-    x = as_array(x, name)
+    x = as_array(x, name, sequences=False)  # (a list would be a float64 copy)
     if not x.dtype.isnative:  # read in place, never copied: say how to make it native
         raise TypeError(
             f"{name} has dtype {x.dtype.str} in non-native byte order; pass "
@@ -701,7 +705,7 @@ def _past(past_key, past_value, K, V, dims):
 
 
 def _past_input(x, name):
-    return check_attention_operand(x, name) if type(x) is QuantizedArray else as_array(x, name)
+    return check_attention_operand(x, name) if type(x) is QuantizedArray else as_array(x, name, sequences=False)
 
 
 @functools.lru_cache(maxsize=256)
@@ -737,7 +741,7 @@ def _mask_array(attn_mask):
     """``attn_mask`` as an ndarray of a mask dtype in native byte order (every
     dtype alike: a big-endian float mask is read like a big-endian integer
     one, through a native copy -- the mask is converted anyway)."""
-    mask = as_array(attn_mask, "attn_mask")
+    mask = as_array(attn_mask, "attn_mask", sequences=False)
     if not mask.dtype.isnative:
         mask = mask.astype(mask.dtype.newbyteorder("="))
     if not is_mask_dtype(mask.dtype):

@@ -240,6 +240,20 @@ def test_caches_take_arrays_not_lists():
         numkv.DynamicKVCache().append([[[[1.0]]]], [[[[1.0]]]])
 
 
+@pytest.mark.parametrize("name", ["Q", "K", "V", "attn_mask", "past_key", "past_value"])
+def test_attention_takes_arrays_not_lists(name):
+    """API.md: inputs NumPy can view without copying, or a TypeError naming
+    the argument; a list was a float64 copy (the float64 kernel, Y float64).
+    ``nonpad_kv_seqlen`` is a vector of ints, taken as ``write_indices`` is."""
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    args = dict(Q=q, K=q, V=q, attn_mask=None, past_key=None, past_value=None)
+    if name.startswith("past"):
+        args.update(past_key=q, past_value=q)
+    args[name] = (np.ones((2, 4), bool) if name == "attn_mask" else args[name]).tolist()
+    with pytest.raises(TypeError, match=f"{name} must be an array"):
+        numkv.attention(**args)
+
+
 # -- one dtype vocabulary ---------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz,
