@@ -207,6 +207,12 @@ class QuantizedArray:
             raise TypeError("len() of a 0-d QuantizedArray")
         return self._shape[0]
 
+    def __array__(self, dtype=None, copy=None):
+        # Without it NumPy reads the object as nested sequences and, the last
+        # axis not being indexable by an int, returns an empty last axis.
+        raise TypeError(f"a {self._format} QuantizedArray holds codes and scales, not an array of values: "
+                        f"call .dequantize() for its values, or read .codes and .scales")
+
     def __repr__(self) -> str:
         kind = ""
         if self._format not in BLOCK_BYTES:

@@ -828,3 +828,14 @@ def test_numkv_onnx_names_a_quantised_operand():
     k = numkv.quantize(np.ones((1, 1, 4, 32), np.float32), "q8_0")
     with pytest.raises(TypeError, match="K is a QuantizedArray"):
         numkv.onnx.attention(np.ones((1, 1, 1, 32), np.float32), k, k)
+
+
+def test_numpy_cannot_read_a_quantized_array_as_values():
+    """np.asarray read it as nested sequences: an empty last axis, no error
+    (np.mean gave NaN).  Now a TypeError that says what to call."""
+    qa = numkv.quantize(np.ones((1, 2, 4, 32), np.float32), "q8_0")
+    for convert in (np.asarray, np.mean, lambda x: np.array(x, np.float32)):
+        with pytest.raises(TypeError, match=r"call \.dequantize\(\)"):
+            convert(qa)
+    with pytest.raises(TypeError, match="update cannot be viewed.*dequantize"):
+        numkv.tensor_scatter(np.zeros((1, 2, 4, 32), np.float32), qa[:, :, :1])
