@@ -7,7 +7,7 @@ Three lines::
     numkv.transformers.register()                      # name "numkv"
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="numkv")
     cache = numkv.transformers.KVCache(model.config, batch_size=1, max_cache_len=4096)
-    model.generate(**inputs, past_key_values=cache)    # the cache is optional
+    model.generate(**inputs, cache=cache)    # optional; past_key_values=cache works too (and warns)
 
 Shapes, in transformers' names: ``B`` batch, ``Hq`` / ``Hkv`` query / key-value
 heads, ``Sq`` queries, ``Skv`` keys, ``D`` / ``Dv`` head sizes.  transformers
@@ -405,6 +405,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.device = torch.device("cpu")
+        self.config = None  # the model's (text) config, set by ``KVCache``: whose attention reads the keys
         if not self.quantised:
             self.keys = as_tensor(self.cache.key_buffer)
             self.values = as_tensor(self.cache.value_buffer)
@@ -429,6 +430,15 @@ class KVCacheLayer(CacheLayerMixin):
         numkv's attention function."""
         k, v = as_numpy(key_states, "key_states"), as_numpy(value_states, "value_states")
         if not self.quantised and k.dtype != self.cache.dtype:  # the cache's format: one cast of the new tokens
+            implementation = getattr(self.config, "_attn_implementation", None)
+            if implementation is not None and implementation not in _REGISTERED:
+                # The keys returned are the buffers, of the cache's dtype: eager
+                # and sdpa take only the model's (torch's error names neither).
+                raise ValueError(
+                    f"a {self.cache.dtype} KVCache serves {implementation!r} attention only at the model's "
+                    f"dtype, and the model's keys are {key_states.dtype}: make it with dtype={key_states.dtype}, "
+                    f"or build the model with attn_implementation='numkv' (numkv.transformers.register()), "
+                    f"which reads any")
             k, v = k.astype(self.cache.dtype), v.astype(self.cache.dtype)
         self.cache.append(k, v)
         n = self.cache.seq_len
@@ -571,6 +581,7 @@ class KVCache(Cache):
                 raise NotImplementedError(f"layer {i} is of type {kind!r}: KVCache holds full and "
                                           f"sliding-window attention layers only")
             layers.append(KVCacheLayer(batch_size, kv_heads, max_cache_len, head_dim, head_dim, fmt, window))
+            layers[-1].config = text
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
         self.dtype = fmt

@@ -520,3 +520,17 @@ def test_import_numkv_imports_no_torch():
     code = "import sys, numkv; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={"PYTHONPATH": str(root)})
+
+
+def test_a_float_kvcache_of_another_dtype_tells_eager_what_to_do():
+    """Eager attention reads the cache's buffers, of the cache's dtype: a
+    bfloat16 model over a float32 KVCache failed inside torch ("expected
+    scalar type Float but found BFloat16").  numkv's attention reads any."""
+    m = model("llama-gqa", "eager", torch.bfloat16)
+    cache = nt.KVCache(m.config, 2, 32)  # float32
+    with torch.no_grad(), pytest.raises(ValueError, match=r"float32 KVCache serves 'eager'.*dtype=torch.bfloat16"):
+        m(input_ids=IDS, attention_mask=MASK, past_key_values=cache)
+    assert cache.get_seq_length() == 0  # refused before anything was written
+    m = model("llama-gqa", NAME, torch.bfloat16)
+    with torch.no_grad():
+        m(input_ids=IDS, attention_mask=MASK, past_key_values=nt.KVCache(m.config, 2, 32))
