@@ -562,7 +562,9 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
         raise ValueError(f"K has {hkv} heads but V has {v.shape[1]}")
     if hkv == 0 or hq % hkv:
         raise ValueError(
-            f"q_num_heads {hq} must be a multiple of kv_num_heads {hkv} (MHA, GQA or MQA)")
+            f"q_num_heads {hq} must be a multiple of kv_num_heads {hkv} (MHA, GQA or MQA); 4-D Q, K "
+            f"and V are (batch, heads, sequence, head_size) (torch's (batch, sequence, heads, head_size): "
+            f".transpose(1, 2))")
     if k.shape[3] != d:
         raise ValueError(f"K head size {k.shape[3]} differs from Q head size {d}")
     if d == 0:

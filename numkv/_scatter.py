@@ -387,7 +387,8 @@ def _check_layout(shape, update_shape, dtype, update_dtype, axis):
     for d in range(ndim):
         if d != ax and shape[d] != update_shape[d]:
             raise ValueError(
-                f"update.shape[{d}] = {update_shape[d]} does not match past_cache.shape[{d}] = {shape[d]}"
+                f"update.shape[{d}] = {update_shape[d]} does not match past_cache.shape[{d}] = {shape[d]} "
+                f"(the sequence axis is axis={axis}; another layout takes its own axis=)"
             )
     if update_shape[ax] > shape[ax]:
         raise ValueError(

@@ -690,7 +690,11 @@ class StaticKVCache(_KVCache):
         return np.where(pos >= 0, pos, -1)
 
     def attention_inputs(self) -> dict:
-        """See ``_KVCache.attention_inputs``.  Circular mode: the held slots
+        """Keyword arguments for ``numkv.attention(Q, **inputs)`` where ``Q``
+        holds the queries of the last ``append``.  Linear mode: ``K`` and
+        ``V`` up to the furthest written position, ``nonpad_kv_seqlen`` and
+        ``is_causal=True`` (as ``DynamicKVCache.attention_inputs`` says; a
+        ``ValueError`` without a previous append).  Circular mode: the held slots
         with a boolean ``attn_mask`` ``(B, 1, S, slots)`` that lets query
         ``q = start[b] + i`` attend the slot holding position ``p`` iff
         ``q - window < p <= q`` — attention over the last ``window`` absolute

@@ -648,7 +648,7 @@ BAD = [
 
 BAD_QKV = [
     ("hq-not-multiple-of-hkv", _qkv(hq=6, hkv=4), {}, ValueError,
-     "q_num_heads 6 must be a multiple of kv_num_heads 4"),
+     "q_num_heads 6 must be a multiple of kv_num_heads 4.*transpose"),
     ("k-head-size", (Q, np.ones((2, 2, 5, 6), np.float32), V), {}, ValueError,
      "K head size 6 differs from Q head size 4"),
     ("batch-mismatch", (Q, np.ones((3, 2, 5, 4), np.float32), np.ones((3, 2, 5, 4), np.float32)), {},

@@ -533,7 +533,7 @@ BAD = [
     ("shape-batch", dict(update=_update(shape=(3, 3, 4, 2))), ValueError,
      "update.shape[0] = 3 does not match past_cache.shape[0] = 4"),
     ("shape-axis1", dict(axis=1, update=_update(shape=(4, 2, 9, 2))), ValueError,
-     "update.shape[2] = 9 does not match past_cache.shape[2] = 10"),
+     "update.shape[2] = 9 does not match past_cache.shape[2] = 10 (the sequence axis is axis=1; "),
     ("update-longer", dict(update=_update(seq=11)), ValueError,
      "update sequence_length 11 (axis 2) > max_sequence_length 10"),
     ("mode-wrap", dict(mode="wrap"), ValueError, "mode must be 'linear' or 'circular', got 'wrap'"),
