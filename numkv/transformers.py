@@ -464,8 +464,9 @@ class KVCacheLayer(CacheLayerMixin):
         return self.max_cache_len
 
     def crop(self, n: int) -> None:
-        """``n < 0``: drop the last ``-n`` tokens; ``n >= 0``: keep the first ``n``."""
-        self.cache.crop(n)
+        """Drop the last ``-n`` tokens (``n <= 0``; 0 drops none)."""
+        if n:
+            self.cache.crop(n)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -592,11 +593,16 @@ class KVCache(Cache):
                 f"max_cache_len={self.max_cache_len}, dtype={name!r}, seq_length={self.get_seq_length()})")
 
     def crop(self, n: int) -> None:
-        """``n < 0``: drop the last ``-n`` tokens of every row and layer;
-        ``n >= 0``: keep the first ``n``.  In place, lengths only (the
-        dropped positions are overwritten by later appends)."""
+        """Drop the last ``-n`` tokens of every row and layer (``n <= 0``), as
+        transformers' ``Cache.crop`` (5.x): ``crop(0)`` drops none -- assisted
+        generation calls it so when every candidate token was accepted --
+        and a positive ``n`` is a ``ValueError``.  In place, lengths only
+        (the dropped positions are overwritten by later appends)."""
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
+        if n > 0:
+            raise ValueError(f"crop({n}): n is the number of tokens to drop, negated (as transformers' "
+                             f"Cache.crop); to keep the first {n}, crop({n} - cache.get_seq_length())")
         for layer in self.layers:
             layer.crop(int(n))
 

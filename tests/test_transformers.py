@@ -426,10 +426,31 @@ def test_crop_and_seq_length():
     assert torch.equal(again[0], first[0][1]) and torch.equal(again[1], first[0][2])
     assert float((first[0][2] - first[1][2]).abs().max()) < TOL  # and the DynamicCache run agrees
     assert cache.layers[0].cache.key_buffer is buffer
-    cache.crop(3)  # n >= 0: keep the first n
-    assert cache.get_seq_length() == 3
-    cache.crop(-5)
+    cache.crop(0)  # transformers 5: drops none (assisted generation's call when all were accepted)
+    dynamic.crop(0)
+    assert (cache.get_seq_length(), dynamic.get_seq_length()) == (11, 9)
+    with pytest.raises(ValueError, match="crop"):
+        dynamic.crop(3)
+    with pytest.raises(ValueError, match=r"to keep the first 3, crop\(3 - cache.get_seq_length\(\)\)"):
+        cache.crop(3)
+    cache.crop(-12)
     assert cache.get_seq_length() == 0
+
+
+def test_assisted_generation_over_a_kvcache_equals_greedy():
+    """Assisted generation crops the cache by the rejected candidates,
+    ``crop(0)`` when all were accepted: numkv's KVCache read that as "keep
+    none" and generated other tokens (API.md: crop as transformers')."""
+    m = model("llama-gqa", NAME)
+    torch.manual_seed(1)
+    assistant = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS["llama-gqa"]()), attn_implementation="eager")
+    assistant.load_state_dict(m.state_dict())  # it proposes what the model would: every candidate accepted
+    ids = IDS[1:]
+    with torch.no_grad():
+        greedy = m.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        assisted = m.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                              assistant_model=assistant.eval(), cache=nt.KVCache(m.config, 1, 32))
+    assert torch.equal(assisted, greedy)
 
 
 def test_float16_cache_of_a_float32_model_stores_the_rounded_keys():
