@@ -31,8 +31,10 @@ smallest float16 with ``(qmax + 1/2) d >= amax`` near ``amax / qmax``
 where rounding took it below, so that every element of a block is within
 ``d / 2`` of its value (tested); a block of zeros has ``d = 0``.
 
-Nothing here imports numba: this is the wrapper layer (validation, layout,
-NumPy arithmetic); the kernels read the codes in place.
+Nothing here imports numba at import time: this is the wrapper layer
+(validation, layout, NumPy arithmetic); q8_0 / q4_0 blocks are made by a
+kernel (``_kernels.quantize``), and the attention kernels read the codes in
+place.
 """
 
 from __future__ import annotations
@@ -411,36 +413,33 @@ def quantize_as(x, format, scale, name, scale_name="scale"):
 
 
 def _quantize_blocks(x, format, name):
-    """q8_0 / q4_0 of ``x`` (last axis a multiple of 32) as llama.cpp's blocks."""
-    qmax = _QMAX[format]
+    """q8_0 / q4_0 of ``x`` (last axis a multiple of 32) as llama.cpp's blocks
+    (``_kernels.quantize``: the scales and codes of the module docstring in
+    one pass; some twenty NumPy operations took ~30 us for one token's keys
+    of 8 heads of 64, the kernel ~4 us)."""
+    global _kernel
+    if _kernel is None:
+        from ._kernels.quantize import quantize_blocks as _kernel
+    d = x.shape[-1]
+    wide = np.ascontiguousarray(x, dtype=np.float64).reshape(math.prod(x.shape[:-1]), d)
+    out = np.empty((wide.shape[0], d // BLOCK * BLOCK_BYTES[format]), _UINT8)
     lo, hi = CODE_RANGE[format]
-    wide = x.astype(np.float64)
-    _check_finite_values(wide, name)  # before the block view: the position is x's
-    blocks = wide.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
-    amax = np.abs(blocks).max(axis=-1, initial=0.0)
-    with np.errstate(over="ignore"):
-        d = (amax / qmax).astype(_FLOAT16)
-        short = d.astype(np.float64) * (qmax + 0.5) < amax  # rounding took d below what amax needs
-        d[short] = np.nextafter(d[short], _FLOAT16.type(np.inf))
-    if not np.isfinite(d).all():
-        at = np.unravel_index(int(np.argmin(np.isfinite(d))), d.shape)
+    failed, at = _kernel(wide, out, _QMAX[format], lo, hi, format == "q4_0")
+    if failed == 1:
+        where = tuple(int(i) for i in np.unravel_index(at, x.shape))
+        raise ValueError(f"{name} holds {float(wide.reshape(-1)[at])} (at {where}): a quantised format "
+                         f"holds finite values only")
+    if failed == 2:
+        block = wide.reshape(-1, BLOCK)[at]
+        where = tuple(int(i) for i in np.unravel_index(at, x.shape[:-1] + (d // BLOCK,)))
         raise ValueError(
-            f"{name} has a block of {format} at {tuple(map(int, at))} with largest magnitude "
-            f"{float(amax[at])!r}, beyond what a float16 scale holds "
-            f"({float(np.finfo(np.float16).max) * (qmax + 0.5):.6g})")
-    step = d.astype(np.float64)[..., None]
-    codes = np.zeros(blocks.shape, np.float64)
-    np.divide(blocks, step, out=codes, where=step != 0)
-    codes = np.clip(np.rint(codes, out=codes), lo, hi).astype(np.int8)
-    out = np.empty(blocks.shape[:-1] + (BLOCK_BYTES[format],), _UINT8)
-    out[..., :2] = d[..., None].view(_UINT8)
-    if format == "q8_0":
-        out[..., 2:] = codes.view(_UINT8)
-    else:
-        biased = (codes + 8).astype(_UINT8)
-        out[..., 2:] = biased[..., :BLOCK // 2] | (biased[..., BLOCK // 2:] << 4)
-    storage = out.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK * BLOCK_BYTES[format],))
-    return QuantizedArray(format, storage, _shape=x.shape)
+            f"{name} has a block of {format} at {where} with largest magnitude "
+            f"{float(np.abs(block).max())!r}, beyond what a float16 scale holds "
+            f"({float(np.finfo(np.float16).max) * (_QMAX[format] + 0.5):.6g})")
+    return QuantizedArray(format, out.reshape(x.shape[:-1] + (out.shape[-1],)), _shape=x.shape)
+
+
+_kernel = None  # _kernels.quantize.quantize_blocks, imported on the first q8_0 / q4_0 (numba with it)
 
 
 def _check_finite_values(wide, name):

@@ -29,7 +29,7 @@ KERNEL_LAYERS = [
     ["gemm", "widen", "softmax", "spin_wait"],
     ["decode_loops"],
     ["format_loops"],
-    ["attention", "narrow", "scatter", "read_bandwidth"],
+    ["attention", "narrow", "quantize", "scatter", "read_bandwidth"],
 ]
 
 

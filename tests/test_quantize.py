@@ -135,6 +135,69 @@ def test_q8_0_is_llama_cpp_block_q8_0():
     assert q.nbytes == x.size * 34 // 32
 
 
+def _numpy_blocks(x, fmt):
+    """The blocks of q8_0 / q4_0 in NumPy arithmetic (what numkv did before
+    its kernel, ``_kernels.quantize``): the oracle of the kernel's bits."""
+    qmax, (lo, hi) = QMAX[fmt], (-127, 127) if fmt == "q8_0" else (-8, 7)
+    blocks = x.astype(np.float64).reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
+    amax = np.abs(blocks).max(axis=-1, initial=0.0)
+    with np.errstate(over="ignore"):
+        d = (amax / qmax).astype(np.float16)
+        short = d.astype(np.float64) * (qmax + 0.5) < amax
+        d[short] = np.nextafter(d[short], np.float16(np.inf))
+    step = d.astype(np.float64)[..., None]
+    codes = np.zeros(blocks.shape, np.float64)
+    np.divide(blocks, step, out=codes, where=step != 0)
+    codes = np.clip(np.rint(codes), lo, hi).astype(np.int8)
+    if fmt == "q8_0":
+        body = codes.view(np.uint8)
+    else:
+        biased = (codes + 8).astype(np.uint8)
+        body = biased[..., :BLOCK // 2] | (biased[..., BLOCK // 2:] << 4)
+    out = np.concatenate([d[..., None].view(np.uint8), body], axis=-1)
+    return out.reshape(x.shape[:-1] + (-1,))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "float8_e4m3fn"])
+def test_the_blocks_equal_numpys_arithmetic_bit_for_bit(fmt, dtype):
+    """Scales from float16's subnormals to its largest, blocks of zeros, ties
+    at half steps, scales that rounding took below ``amax / (qmax + 1/2)``."""
+    rng = np.random.default_rng(3)
+    x = _blocky(rng, (64, 8, 3 * BLOCK))
+    x.reshape(-1, BLOCK)[5::11] *= np.float32(60000.0 / 10 ** 4)  # scales near float16's largest
+    x = x.astype(getattr(ml_dtypes, dtype, dtype))
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.isfinite(x.astype(np.float64)).all(axis=-1)
+    x = x[finite]
+    assert np.array_equal(quantize(x, fmt).storage, _numpy_blocks(x, fmt))
+
+
+def test_a_scale_rounds_once_from_float64_to_float16():
+    """The kernel's float16 rounding (``_float16_bits``) against NumPy's, on
+    every positive float16, the ties between neighbours and one float64 step
+    either side of them, the edges of the range and float64's subnormals."""
+    import numba
+
+    from numkv._kernels.quantize import _float16_bits
+
+    @numba.njit
+    def bits_of(xs, out):
+        for i in range(xs.size):
+            out[i] = _float16_bits(xs[i])
+
+    halves = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ties = (halves[:-1] + halves[1:]) / 2  # exact in float64
+    xs = np.concatenate([halves, ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf),
+                         [65504.0, 65519.99, 65520.0, 65536.0, 1e300, 2.0 ** -25, 2.0 ** -25 * 1.0000001,
+                          5e-324, 2.2e-308, 1e-310]])
+    got = np.empty(xs.size, np.int64)
+    bits_of(xs, got)
+    with np.errstate(over="ignore"):
+        want = xs.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got, want)
+
+
 def test_q4_0_is_llama_cpp_block_q4_0():
     """Per block: the float16 scale, then 16 bytes; byte j holds element j in
     its low nibble and element j + 16 in its high nibble, each as code + 8."""

@@ -15,7 +15,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "18fa184ede92e646da16985f15dccaa7cb3f45d585c6d4d244b5eed675c78936"
+HELPERS_SHA256 = "ff354d85fc11f206c5bb1eb0a72fe3cc031c4c42945ce678f93d11a109f6ed2b"
 
 CHUNK = 1 << 16  # elements a work item
 

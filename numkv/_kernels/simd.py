@@ -9,7 +9,7 @@ compile in a fraction of the time (numbers beside each).
 
 Two kinds of names:
 
-* intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``,
+* intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``, ``_float64_bits``,
   ``_maximum``, ``_min``, ``_max``, ``_prefetch``, ``_view``, ``_array``,
   ``_as_rows``, ``_as_flat``, ``_claim``, ``_count_done``, ``_row_sum``, ``_row_max``,
   ``_half_bits``, ``_load_acquire``, ``_store_release``,
@@ -59,6 +59,18 @@ def _float32_from_bits(typingctx, bits):
         return builder.bitcast(low, context.get_value_type(types.float32))
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _float64_bits(typingctx, x):
+    """The bits of the float64 ``x`` as an int64 (a bit cast, no conversion)."""
+    if x != types.float64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(x), codegen
 
 
 @intrinsic
