@@ -426,9 +426,7 @@ def _quantize_blocks(x, format, name):
     lo, hi = CODE_RANGE[format]
     failed, at = _kernel(wide, out, _QMAX[format], lo, hi, format == "q4_0")
     if failed == 1:
-        where = tuple(int(i) for i in np.unravel_index(at, x.shape))
-        raise ValueError(f"{name} holds {float(wide.reshape(-1)[at])} (at {where}): a quantised format "
-                         f"holds finite values only")
+        _not_finite(wide.reshape(x.shape), at, name)
     if failed == 2:
         block = wide.reshape(-1, BLOCK)[at]
         where = tuple(int(i) for i in np.unravel_index(at, x.shape[:-1] + (d // BLOCK,)))
@@ -444,9 +442,14 @@ _kernel = None  # _kernels.quantize.quantize_blocks, imported on the first q8_0 
 
 def _check_finite_values(wide, name):
     if not np.isfinite(wide).all():
-        at = tuple(int(i) for i in np.unravel_index(int(np.argmin(np.isfinite(wide))), wide.shape))
-        raise ValueError(f"{name} holds {float(wide[at])} (at {at}): a quantised format holds finite "
-                         f"values only")
+        _not_finite(wide, int(np.argmin(np.isfinite(wide))), name)
+
+
+def _not_finite(wide, at, name):
+    """Raise for element ``at`` (flat) of ``wide``, named by its position."""
+    where = tuple(int(i) for i in np.unravel_index(at, wide.shape))
+    raise ValueError(f"{name} holds {float(wide.reshape(-1)[at])} (at {where}): a quantised format holds "
+                     f"finite values only")
 
 
 def _check_finite_scales(values, name, zero_ok=False):
