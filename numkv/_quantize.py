@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import _config
 from ._dtypes import BFLOAT16, is_attention_dtype, is_integer_dtype
 from ._validate import as_array
 
@@ -57,6 +58,8 @@ BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}  # float16 scale + cod
 CODE_RANGE = {"q8_0": (-127, 127), "q4_0": (-8, 7), "int8": (-128, 127), "int4": (-8, 7)}
 # The largest code magnitude a block's scale is derived for (symmetric).
 _QMAX = {"q8_0": 127, "q4_0": 7}
+# float16's largest value plus half its last step: from here on, float16 rounds to inf.
+_FLOAT16_LIMIT = 65520.0
 _FLOAT16 = np.dtype(np.float16)
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 _UINT8, _INT8 = np.dtype(np.uint8), np.dtype(np.int8)
@@ -418,13 +421,17 @@ def _quantize_blocks(x, format, name):
     one pass; some twenty NumPy operations took ~30 us for one token's keys
     of 8 heads of 64, the kernel ~4 us)."""
     global _kernel
-    if _kernel is None:
-        from ._kernels.quantize import quantize_blocks as _kernel
+    if _config.REFERENCE:  # the plain NumPy form, no numba
+        from ._reference import quantize_blocks as blocks_of
+    else:
+        if _kernel is None:
+            from ._kernels.quantize import quantize_blocks as _kernel
+        blocks_of = _kernel
     d = x.shape[-1]
     wide = np.ascontiguousarray(x, dtype=np.float64).reshape(math.prod(x.shape[:-1]), d)
     out = np.empty((wide.shape[0], d // BLOCK * BLOCK_BYTES[format]), _UINT8)
     lo, hi = CODE_RANGE[format]
-    failed, at = _kernel(wide, out, _QMAX[format], lo, hi, format == "q4_0")
+    failed, at = blocks_of(wide, out, _QMAX[format], lo, hi, format == "q4_0")
     if failed == 1:
         _not_finite(wide.reshape(x.shape), at, name)
     if failed == 2:
@@ -432,8 +439,9 @@ def _quantize_blocks(x, format, name):
         where = tuple(int(i) for i in np.unravel_index(at, x.shape[:-1] + (d // BLOCK,)))
         raise ValueError(
             f"{name} has a block of {format} at {where} with largest magnitude "
-            f"{float(np.abs(block).max())!r}, beyond what a float16 scale holds "
-            f"({float(np.finfo(np.float16).max) * (_QMAX[format] + 0.5):.6g})")
+            f"{float(np.abs(block).max())!r}, beyond what a float16 scale holds (the largest "
+            f"magnitude must stay below {_FLOAT16_LIMIT * _QMAX[format]:.6g}: amax / {_QMAX[format]} "
+            f"rounds to float16's inf from {_FLOAT16_LIMIT:g} on)")
     return QuantizedArray(format, out.reshape(x.shape[:-1] + (out.shape[-1],)), _shape=x.shape)
 
 

@@ -464,7 +464,11 @@ class KVCacheLayer(CacheLayerMixin):
         return self.max_cache_len
 
     def crop(self, n: int) -> None:
-        """Drop the last ``-n`` tokens (``n <= 0``; 0 drops none)."""
+        """Drop the last ``-n`` tokens (``n <= 0``; 0 drops none), as
+        transformers' ``DynamicLayer.crop``: a positive ``n`` is a ``ValueError``."""
+        if n > 0:
+            raise ValueError(f"crop({n}): n is the number of tokens to drop, negated (as transformers' "
+                             f"Cache.crop); to keep the first {n}, crop({n} - cache.get_seq_length())")
         if n:
             self.cache.crop(n)
 
@@ -549,8 +553,9 @@ class KVCache(Cache):
     cache of the model's dtype also serves transformers' eager / sdpa
     attention (its ``update`` returns the filled prefix, as a DynamicCache
     does); one of another dtype, or a quantised one, only numkv's.  Sliding-window layers keep every position and apply the
-    window in attention.  ``crop(n)`` as transformers' (``n < 0`` drops the
-    last ``-n`` tokens; ``n >= 0`` keeps the first ``n``), lengths only.
+    window in attention.  ``crop(n)`` as transformers' 5.x (``n < 0`` drops
+    the last ``-n`` tokens, 0 none, a positive ``n`` is a ``ValueError``),
+    lengths only.
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, dtype="float32"):
@@ -600,10 +605,7 @@ class KVCache(Cache):
         (the dropped positions are overwritten by later appends)."""
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
-        if n > 0:
-            raise ValueError(f"crop({n}): n is the number of tokens to drop, negated (as transformers' "
-                             f"Cache.crop); to keep the first {n}, crop({n} - cache.get_seq_length())")
-        for layer in self.layers:
+        for layer in self.layers:  # (a positive n: the first layer raises, before any is cropped)
             layer.crop(int(n))
 
     @property

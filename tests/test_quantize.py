@@ -10,12 +10,14 @@ exact in float64, so ``|x - code * d| <= d / 2`` holds or fails with no
 rounding in the check.
 """
 
+import re
 import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from numkv import _config
 from numkv._quantize import BLOCK, QuantizedArray, quantize
 
 FORMATS = ["q8_0", "q4_0", "int8", "int4"]
@@ -135,33 +137,12 @@ def test_q8_0_is_llama_cpp_block_q8_0():
     assert q.nbytes == x.size * 34 // 32
 
 
-def _numpy_blocks(x, fmt):
-    """The blocks of q8_0 / q4_0 in NumPy arithmetic (what numkv did before
-    its kernel, ``_kernels.quantize``): the oracle of the kernel's bits."""
-    qmax, (lo, hi) = QMAX[fmt], (-127, 127) if fmt == "q8_0" else (-8, 7)
-    blocks = x.astype(np.float64).reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
-    amax = np.abs(blocks).max(axis=-1, initial=0.0)
-    with np.errstate(over="ignore"):
-        d = (amax / qmax).astype(np.float16)
-        short = d.astype(np.float64) * (qmax + 0.5) < amax
-        d[short] = np.nextafter(d[short], np.float16(np.inf))
-    step = d.astype(np.float64)[..., None]
-    codes = np.zeros(blocks.shape, np.float64)
-    np.divide(blocks, step, out=codes, where=step != 0)
-    codes = np.clip(np.rint(codes), lo, hi).astype(np.int8)
-    if fmt == "q8_0":
-        body = codes.view(np.uint8)
-    else:
-        biased = (codes + 8).astype(np.uint8)
-        body = biased[..., :BLOCK // 2] | (biased[..., BLOCK // 2:] << 4)
-    out = np.concatenate([d[..., None].view(np.uint8), body], axis=-1)
-    return out.reshape(x.shape[:-1] + (-1,))
-
-
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "float8_e4m3fn"])
-def test_the_blocks_equal_numpys_arithmetic_bit_for_bit(fmt, dtype):
-    """Scales from float16's subnormals to its largest, blocks of zeros, ties
+def test_the_kernels_blocks_equal_the_numpy_path_bit_for_bit(fmt, dtype, monkeypatch):
+    """``_kernels.quantize`` against the plain NumPy path
+    (``_reference.quantize_blocks``, what numkv ran before the kernel):
+    scales from float16's subnormals to its largest, blocks of zeros, ties
     at half steps, scales that rounding took below ``amax / (qmax + 1/2)``."""
     rng = np.random.default_rng(3)
     x = _blocky(rng, (64, 8, 3 * BLOCK))
@@ -170,7 +151,31 @@ def test_the_blocks_equal_numpys_arithmetic_bit_for_bit(fmt, dtype):
     with np.errstate(over="ignore", invalid="ignore"):
         finite = np.isfinite(x.astype(np.float64)).all(axis=-1)
     x = x[finite]
-    assert np.array_equal(quantize(x, fmt).storage, _numpy_blocks(x, fmt))
+    kernel = quantize(x, fmt).storage
+    monkeypatch.setattr(_config, "REFERENCE", True)
+    assert np.array_equal(kernel, quantize(x, fmt).storage)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "numpy"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_a_block_beyond_a_float16_scale_is_refused_naming_it(fmt, reference, monkeypatch):
+    """From ``amax = 65520 * qmax`` on, ``amax / qmax`` rounds to float16's
+    inf (65520: float16's largest, 65504, plus half its last step); one
+    float64 step below, the scale is 65504, which holds the block within
+    half a step (``65504 * (qmax + 1/2)`` is more)."""
+    monkeypatch.setattr(_config, "REFERENCE", reference)
+    limit = 65520.0 * QMAX[fmt]
+    x = np.ones((2, 3, 64))
+    x[1, 2, 40] = -np.nextafter(limit, 0)
+    assert quantize(x, fmt).scales[1, 2, 1] == np.float16(65504)
+    for big in (limit, np.nextafter(limit, np.inf), 1e300):
+        x[1, 2, 40] = -big
+        with pytest.raises(ValueError, match=re.escape(f"x has a block of {fmt} at (1, 2, 1) with largest magnitude "
+                                                       f"{float(big)!r}, beyond what a float16 scale holds")):
+            quantize(x, fmt)
+    x[0, 1, 7] = np.nan  # a value that is not finite is named first, wherever it is
+    with pytest.raises(ValueError, match=r"x holds nan \(at \(0, 1, 7\)\)"):
+        quantize(x, fmt)
 
 
 def test_a_scale_rounds_once_from_float64_to_float16():

@@ -119,12 +119,10 @@ def _quantized_group():
     sequence slices of the codes — and the appends that fill such caches:
     ``tensor_scatter`` into a ``QuantizedArray`` (float or quantised
     updates, linear and circular) and ``StaticKVCache(dtype="q8_0" |
-    "q4_0")`` in both modes, read through ``attention_inputs()``.  Today the
-    kernels read every format through the float32 / float64 specialisations
-    (the format is a run-time code), so after the float groups this group
-    compiles nothing; alone (``--group``) it warms exactly what a quantised
-    decoder needs, and it keeps doing so if a format ever gets a kernel of
-    its own."""
+    "q4_0")`` in both modes, read through ``attention_inputs()``.  It
+    compiles each format's loops (``format_loops``' C functions, one set per
+    format) and the q8_0 / q4_0 quantisation (``_kernels.quantize``); alone
+    (``--group``) it warms exactly what a quantised decoder needs."""
     rng = np.random.default_rng(0)
 
     def arr(shape, dtype=np.float32):
