@@ -6,7 +6,7 @@ float16, one float16 step up where rounding took it below ``amax / (qmax +
 Its NumPy form (``numkv._reference.quantize_blocks``, the path tests force
 and compare with) took 24-28 us for one token's keys of 8 heads of 64
 (some twenty array operations of ~1 us on 16 blocks), twice an append;
-with this kernel the call takes 5-6 us (docs/performance.md).  What the
+with this kernel the call takes ~5 us (docs/performance.md).  What the
 arithmetic finds -- a value that is not finite, a block whose scale float16
 cannot hold -- it returns, and the wrapper raises: checked in Python first,
 the blocks' maxima would be a pass of their own.
@@ -58,18 +58,17 @@ def quantize_blocks(x, out, qmax, lo, hi, packed):
                 return 2, r * blocks + k
             out[r, at] = h & 0xFF
             out[r, at + 1] = h >> 8
-            step = _half_value(h)
-            for j in range(BLOCK):
-                code = 0
-                if step != 0.0:
-                    code = int(np.rint(x[r, c0 + j] / step))
-                    code = lo if code < lo else hi if code > hi else code
+            # x / d, not x * (1 / d), which rounds twice; a block of zeros (d = 0): 0 / 1
+            step = _half_value(h) if h else 1.0
+            for j in range(BLOCK // 2 if packed else BLOCK):
+                low = int(np.rint(x[r, c0 + j] / step))
+                low = lo if low < lo else hi if low > hi else low
                 if not packed:
-                    out[r, at + 2 + j] = code & 0xFF
-                elif j < BLOCK // 2:
-                    out[r, at + 2 + j] = code + 8
-                else:
-                    out[r, at + 2 + j - BLOCK // 2] |= (code + 8) << 4
+                    out[r, at + 2 + j] = low & 0xFF
+                    continue
+                high = int(np.rint(x[r, c0 + j + BLOCK // 2] / step))
+                high = lo if high < lo else hi if high > hi else high
+                out[r, at + 2 + j] = (low + 8) | ((high + 8) << 4)
     return 0, 0
 
 
