@@ -422,7 +422,7 @@ def _quantize_blocks(x, format, name):
     of 8 heads of 64, the kernel ~4 us)."""
     global _kernel
     if _config.REFERENCE:  # the plain NumPy form, no numba
-        from ._reference import quantize_blocks as blocks_of
+        blocks_of = _numpy_blocks
     else:
         if _kernel is None:
             from ._kernels.quantize import quantize_blocks as _kernel
@@ -446,6 +446,38 @@ def _quantize_blocks(x, format, name):
 
 
 _kernel = None  # _kernels.quantize.quantize_blocks, imported on the first q8_0 / q4_0 (numba with it)
+
+
+def _numpy_blocks(x, out, qmax, lo, hi, packed):
+    """``_kernels.quantize.quantize_blocks`` in NumPy (some twenty array
+    operations: what numkv ran before that kernel, and the simple path tests
+    force with ``_config.REFERENCE``), with its contract: the
+    blocks of the float64 rows ``x`` into ``out``; ``(0, 0)``, ``(1, i)``
+    where element ``i`` (flat) is not finite, else ``(2, b)`` where block
+    ``b`` (flat) needs a scale beyond float16."""
+    finite = np.isfinite(x)
+    if not finite.all():
+        return 1, int(np.argmin(finite))
+    blocks = x.reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=-1, initial=0.0)
+    with np.errstate(over="ignore"):
+        d = (amax / qmax).astype(np.float16)
+        short = d.astype(np.float64) * (qmax + 0.5) < amax  # rounding took d below what amax needs
+        d[short] = np.nextafter(d[short], np.float16(np.inf))
+    fits = np.isfinite(d)
+    if not fits.all():
+        return 2, int(np.argmin(fits))
+    step = d.astype(np.float64)[..., None]
+    codes = np.zeros(blocks.shape, np.float64)
+    np.divide(blocks, step, out=codes, where=step != 0)
+    codes = np.clip(np.rint(codes), lo, hi).astype(np.int8)
+    if packed:
+        biased = (codes + 8).astype(np.uint8)
+        body = biased[..., :BLOCK // 2] | (biased[..., BLOCK // 2:] << 4)
+    else:
+        body = codes.view(np.uint8)
+    out[...] = np.concatenate([d[..., None].view(np.uint8), body], axis=-1).reshape(out.shape)
+    return 0, 0
 
 
 def _check_finite_values(wide, name):

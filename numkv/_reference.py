@@ -1,12 +1,9 @@
-"""The plain NumPy paths: Attention, for a prepared ``AttentionCall``, and
-the q8_0 / q4_0 blocks of ``numkv.quantize``.
+"""The plain NumPy path of Attention, for a prepared ``AttentionCall``.
 
-Attention here materialises the ``(Sq, T)`` scores, so numkv uses it only
-where that is the point: ONNX's ``qk_matmul_output`` debug output
-(``numkv.onnx``), and as the simple path tests can force with
-``_config.REFERENCE``.  GQA stays an index map here too (a reshape, not a
-repeat).  The blocks are ``_kernels.quantize.quantize_blocks``' arithmetic in
-some twenty array operations (what numkv ran before that kernel).
+It materialises the ``(Sq, T)`` scores, so numkv uses it only where that is
+the point: ONNX's ``qk_matmul_output`` debug output (``numkv.onnx``), and as
+the simple path tests can force with ``_config.REFERENCE``.  GQA stays an
+index map here too (a reshape, not a repeat).
 """
 
 import numpy as np
@@ -107,33 +104,3 @@ def _allowed(call, sq, total):
     if call.right >= 0:
         allowed &= j <= pos + call.right
     return allowed
-
-
-def quantize_blocks(x, out, qmax, lo, hi, packed):
-    """``_kernels.quantize.quantize_blocks`` in NumPy, with its contract: the
-    blocks of the float64 rows ``x`` into ``out``; ``(0, 0)``, ``(1, i)``
-    where element ``i`` (flat) is not finite, else ``(2, b)`` where block
-    ``b`` (flat) needs a scale beyond float16."""
-    finite = np.isfinite(x)
-    if not finite.all():
-        return 1, int(np.argmin(finite))
-    blocks = x.reshape(x.shape[0], x.shape[1] // 32, 32)
-    amax = np.abs(blocks).max(axis=-1, initial=0.0)
-    with np.errstate(over="ignore"):
-        d = (amax / qmax).astype(np.float16)
-        short = d.astype(np.float64) * (qmax + 0.5) < amax  # rounding took d below what amax needs
-        d[short] = np.nextafter(d[short], np.float16(np.inf))
-    fits = np.isfinite(d)
-    if not fits.all():
-        return 2, int(np.argmin(fits))
-    step = d.astype(np.float64)[..., None]
-    codes = np.zeros(blocks.shape, np.float64)
-    np.divide(blocks, step, out=codes, where=step != 0)
-    codes = np.clip(np.rint(codes), lo, hi).astype(np.int8)
-    if packed:
-        biased = (codes + 8).astype(np.uint8)
-        body = biased[..., :16] | (biased[..., 16:] << 4)
-    else:
-        body = codes.view(np.uint8)
-    out[...] = np.concatenate([d[..., None].view(np.uint8), body], axis=-1).reshape(out.shape)
-    return 0, 0

@@ -141,7 +141,7 @@ def test_q8_0_is_llama_cpp_block_q8_0():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "float8_e4m3fn"])
 def test_the_kernels_blocks_equal_the_numpy_path_bit_for_bit(fmt, dtype, monkeypatch):
     """``_kernels.quantize`` against the plain NumPy path
-    (``_reference.quantize_blocks``, what numkv ran before the kernel):
+    (``_quantize._numpy_blocks``, what numkv ran before the kernel):
     scales from float16's subnormals to its largest, blocks of zeros, ties
     at half steps, scales that rounding took below ``amax / (qmax + 1/2)``."""
     rng = np.random.default_rng(3)

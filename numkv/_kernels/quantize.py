@@ -3,7 +3,7 @@ arithmetic (its module docstring: ``d`` is ``amax / qmax`` rounded to
 float16, one float16 step up where rounding took it below ``amax / (qmax +
 1/2)``; codes ``clip(rint(x / d))``, 0 where ``d`` is 0), bit for bit.
 
-Its NumPy form (``numkv._reference.quantize_blocks``, the path tests force
+Its NumPy form (``numkv._quantize._numpy_blocks``, the path tests force
 and compare with) took 24-28 us for one token's keys of 8 heads of 64
 (some twenty array operations of ~1 us on 16 blocks), twice an append;
 with this kernel the call takes ~5 us (docs/performance.md).  What the
