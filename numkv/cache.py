@@ -652,17 +652,19 @@ class StaticKVCache(_KVCache):
 
     def _check_ring(self, lens, high, culprit):
         """Circular mode: a later chunk of up to ``max_chunk`` queries from
-        position ``lens[b]`` needs positions ``lens[b] - window + 1 ..``; slot
-        ``p % C`` still holds ``p`` iff nothing at ``p + C`` or beyond was
-        written, i.e. iff ``p >= high[b] - C`` with ``high[b]`` one past the
-        furthest position written since reset (padding included).  So the
-        ring is sound iff ``lens[b] - window + 1 >= high[b] - C``, that is
-        ``lens[b] >= high[b] - max_chunk``; then stale slots also sit a full
-        window behind every later query, and the window mask hides them.  Or
-        iff ``high[b] <= C``: nothing has wrapped, so nothing was overwritten
-        (there are no positions below 0 to need), and the slots written past
-        ``lens[b]`` hold positions the slot order reads as none yet."""
-        bad = np.flatnonzero((lens < high - self.max_chunk) & (high > self.capacity))
+        position ``lens[b]`` needs the positions ``first = max(0, lens[b] -
+        window + 1) .. lens[b] - 1`` (none where ``lens[b]`` is 0 or the
+        window 1); slot ``p % C`` still holds ``p`` iff nothing at ``p + C``
+        or beyond was written, i.e. iff ``p >= high[b] - C`` with ``high[b]``
+        one past the furthest position written since reset (padding
+        included).  So the ring is sound iff those positions are none or
+        ``first >= high[b] - C``: then nothing has wrapped (``high[b] <= C``),
+        or ``lens[b] >= high[b] - max_chunk`` and stale slots sit a full
+        window behind every later query, which the window mask hides; slots
+        written past ``lens[b]`` hold positions the slot order reads as none
+        yet."""
+        first = np.maximum(lens - self.window + 1, 0)
+        bad = np.flatnonzero((first < lens) & (first < high - self.capacity))
         if bad.size:
             b = int(bad[0])
             raise ValueError(
@@ -729,5 +731,8 @@ class StaticKVCache(_KVCache):
         lens = self._crop_lengths(n)
         if self.mode == "circular":
             self._check_ring(lens, self._high, "later positions")
+            # A row cropped to nothing needs none of its slots again: what it
+            # wrote before is as good as never written.
+            self._high = np.where(lens == 0, 0, self._high)
         self._lens = lens
         self._last = None

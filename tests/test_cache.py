@@ -331,6 +331,30 @@ def test_circular_crop_before_the_ring_wraps(rng):
                                numkv.attention(q, **linear.attention_inputs()), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [4, 1])
+def test_circular_crop_that_needs_no_slot_after_the_ring_wrapped(rng, window):
+    """After the ring wrapped, a crop to 0 tokens (or any crop at window 1,
+    whose queries attend only their own key) needs no slot it held: it is
+    accepted, and the cache then serves as a fresh one holding what came
+    after (both were refused, and a crop to 0 left every later append
+    refused too)."""
+    cache, fresh = (StaticKVCache(1, 1, 4, 2, mode="circular", window=window) for _ in "ab")
+    k = rng.standard_normal((1, 1, 9, 2)).astype(np.float32)
+    for i in range(6):
+        cache.append(k[:, :, i:i + 1], k[:, :, i:i + 1])
+    cache.crop(0 if window > 1 else -5)
+    if window > 1:
+        assert cache.seq_lens.tolist() == [0]
+    else:
+        fresh.append(k[:, :, :1], k[:, :, :1])  # the cropped cache's length
+    for i in range(6, 9):
+        q = rng.standard_normal((1, 1, 1, 2)).astype(np.float32)
+        for c in (cache, fresh):
+            c.append(k[:, :, i:i + 1], k[:, :, i:i + 1])
+        np.testing.assert_allclose(numkv.attention(q, **cache.attention_inputs()),
+                                   numkv.attention(q, **fresh.attention_inputs()), rtol=1e-6, atol=1e-6)
+
+
 def test_linear_ragged_attention_inputs(rng):
     cache = StaticKVCache(3, 2, 16, 8)
     sizes = [4, 1, 3, 1, 2]
