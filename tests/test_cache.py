@@ -592,8 +592,8 @@ def test_circular_scripts_refuse_exactly_what_the_ring_lost(seed):
     shadow = -np.ones((batch, capacity), np.int64)  # the position each slot holds
 
     def intact(slots, lens, upto):  # positions each row's queries up to ``upto[b]`` need, in ``slots``
-        return all(slots[b, p % capacity] == p for b in range(batch)
-                   for query in range(lens[b], upto[b] + 1) for p in range(max(0, query - window + 1), min(query, upto[b])))
+        return all(slots[b, p % capacity] == p for b in range(batch) for query in range(lens[b], upto[b] + 1)
+                   for p in range(max(0, query - window + 1), min(query, upto[b])))
 
     for _ in range(25):
         lens = cache.seq_lens
