@@ -395,7 +395,8 @@ class KVCacheLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, batch_size, num_heads, max_cache_len, head_dim, v_head_dim, dtype, sliding_window=None):
+    def __init__(self, batch_size, num_heads, max_cache_len, head_dim, v_head_dim, dtype, sliding_window=None,
+                 config=None):
         super().__init__()
         self.dtype = dtype
         self.quantised = dtype in QUANTISED_FORMATS
@@ -405,7 +406,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.device = torch.device("cpu")
-        self.config = None  # the model's (text) config, set by ``KVCache``: whose attention reads the keys
+        self.config = config  # the model's (text) config: whose attention reads the keys
         if not self.quantised:
             self.keys = as_tensor(self.cache.key_buffer)
             self.values = as_tensor(self.cache.value_buffer)
@@ -586,8 +587,7 @@ class KVCache(Cache):
             else:
                 raise NotImplementedError(f"layer {i} is of type {kind!r}: KVCache holds full and "
                                           f"sliding-window attention layers only")
-            layers.append(KVCacheLayer(batch_size, kv_heads, max_cache_len, head_dim, head_dim, fmt, window))
-            layers[-1].config = text
+            layers.append(KVCacheLayer(batch_size, kv_heads, max_cache_len, head_dim, head_dim, fmt, window, text))
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
         self.dtype = fmt

@@ -566,29 +566,19 @@ def test_repr_of_a_large_batch_stays_short():
     assert len(repr(numkv.StaticKVCache(10_000, 1, 4, 2))) < 200
 
 
-def _window_reference(q, keys, values, position, window):
-    """Attention of one query (H, D) at ``position`` over the float64 history
-    ``(T, H, D)``, the last ``window`` positions up to its own."""
-    lo = max(0, position - window + 1)
-    k, v = keys[lo:position + 1], values[lo:position + 1]
-    s = np.einsum("hd,thd->ht", q, k) / np.sqrt(q.shape[-1])
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), v)
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_circular_scripts_refuse_exactly_what_the_ring_lost(seed):
     """Random appends (ragged lengths, chunks up to the capacity) and crops on
     a circular cache, with a shadow of which position each slot holds: a
     call is refused iff it would leave a position some later query needs
-    overwritten, and every accepted append's queries equal attention over
-    the float64 history within the window (from the adversarial review of
+    overwritten, and every accepted append's queries equal onnx.reference's
+    over the history within the window (from the adversarial review of
     2026-11-27: 323 of 1300 refusals were of sound states)."""
     rng = np.random.default_rng(seed)
     batch, capacity = int(rng.integers(1, 4)), int(rng.integers(2, 10))
     window = int(rng.integers(1, capacity + 1))
     cache = StaticKVCache(batch, 1, capacity, 4, mode="circular", window=window)
-    history = [[] for _ in range(batch)]
+    history = [np.zeros((2, 1, 0, 4), np.float32) for _ in range(batch)]  # K and V of each row's tokens
     shadow = -np.ones((batch, capacity), np.int64)  # the position each slot holds
 
     def intact(slots, lens, upto):  # positions each row's queries up to ``upto[b]`` need, in ``slots``
@@ -608,7 +598,7 @@ def test_circular_scripts_refuse_exactly_what_the_ring_lost(seed):
                 continue
             assert sound
             for b in range(batch):
-                del history[b][new_lens[b]:]
+                history[b] = history[b][:, :, :new_lens[b]]
             continue
         size = int(rng.integers(1, capacity + 1))
         lengths = rng.integers(0, size + 1, batch) if rng.random() < 0.5 else None
@@ -628,8 +618,10 @@ def test_circular_scripts_refuse_exactly_what_the_ring_lost(seed):
         shadow = slots
         y = numkv.attention(q, **cache.attention_inputs())
         for b in range(batch):
-            history[b] += [(k[b, :, i], v[b, :, i]) for i in range(gained[b])]
-            keys, values = (np.array([h[j] for h in history[b]], np.float64) for j in (0, 1))
-            for i in range(gained[b]):
-                want = _window_reference(q[b, :, i].astype(np.float64), keys, values, lens[b] + i, window)
-                np.testing.assert_allclose(y[b, :, i], want, rtol=2e-5, atol=2e-5)
+            # The written chunk, padding included, after the row's history (as ``_chunks_vs_oracle``).
+            full = np.concatenate([history[b], np.stack([k[b], v[b]])], axis=2)
+            expected = oracle.attention(q[b:b + 1], full[0][None], full[1][None], is_causal=True,
+                                        nonpad_kv_seqlen=np.array([lens[b] + size]),
+                                        left_window_size=window - 1)[0]
+            np.testing.assert_allclose(y[b, :, :gained[b]], expected[0, :, :gained[b]], rtol=2e-5, atol=2e-6)
+            history[b] = full[:, :, :lens[b] + gained[b]]

@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "5a51bb6febbb5f8a1c667cd110f8c7a183cfd4e7d3df3045253b630972b45784"
+HELPERS_SHA256 = "1fea291375e4a041ac2352cb1589c1f87b839df36d38cf16f8cf36bbe56da965"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 
 from .._config import jit
 from .cpu import has_avx512
-from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max, _min, _splat
+from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max, _min, _register_bytes, _splat
 
 # Rows of a register block; its columns are ``_block_vectors()`` vectors:
 # 6 x 64 float32 (24 of AVX-512's 32 registers hold the block), 6 x 16 on
@@ -42,7 +42,8 @@ BLOCK_ROWS = 6
 def _block_vectors():
     """``(bytes a vector holds, vectors a block row)``: AVX-512's registers
     or AVX2's (what the CPU numba compiles for has, ``cpu.has_avx512``)."""
-    return (64, 4) if has_avx512() else (32, 2)
+    register = _register_bytes()
+    return register, 4 if register == 64 else 2
 
 
 def describe():

@@ -40,6 +40,13 @@ VECTOR_BYTES = 64
 # A constant: numba freezes it into the compiled kernel.
 PREFETCH_KEYS = 16
 
+
+def _register_bytes():
+    """Bytes a vector register holds on the CPU numba compiles for:
+    AVX-512's 64, else AVX2's 32 (``cpu.has_avx512``)."""
+    return 64 if has_avx512() else 32
+
+
 # Bytes an element of an IR type holds, by the type's name (``str(type)``).
 _BYTES = {"float": 4, "double": 8, "i16": 2, "i8": 1}
 
@@ -561,7 +568,7 @@ def _row_max(typingctx, flat, at, n):
 
     def codegen(context, builder, sig, args):
         real = context.get_value_type(sig.args[0].dtype)
-        lanes, unroll = (64 if has_avx512() else 32) // _BYTES[str(real)], 4
+        lanes, unroll = _register_bytes() // _BYTES[str(real)], 4
         i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, lanes)
         flags = ir.VectorType(ir.IntType(1), lanes)
         ary = context.make_array(sig.args[0])(context, builder, args[0])
