@@ -1,5 +1,6 @@
-"""The KV caches and the cached attention layer: one decode step each, and the
-demo decoder's throughput (tokens per second, a ``track_`` benchmark).
+"""The KV caches and the cached attention layer: one decode step each (a
+quantised cache's append, and ``numkv.quantize`` itself, too), and the demo
+decoder's throughput (tokens per second, a ``track_`` benchmark).
 
 A decode step appends one token per batch row to a cache already holding
 ``PREFILL`` + 1 tokens (asv re-runs ``setup`` before each timed call, so every
@@ -13,7 +14,7 @@ import timeit
 
 import numpy as np
 
-from ._common import QUICK, randn
+from ._common import QUICK, randn, require_attr
 
 BATCH, KV_HEADS, HEAD_DIM, MAX_SEQ = 1, 8, 128, 4096
 PREFILL = 2000
@@ -83,6 +84,39 @@ class StaticKVCacheAppend(_Append):
 
     def _new_cache(self):
         return _make_cache("static", self._params[0])
+
+
+class QuantisedKVCacheAppend(_Append):
+    """``StaticKVCache(1, 8, 4096, 128, dtype=...)``.append of one token,
+    quantised on the way in (q8_0 / q4_0 blocks: ``numkv._kernels.quantize``)."""
+
+    params = ["q8_0", "q4_0"]
+    param_names = ["dtype"]
+
+    def _new_cache(self):
+        return _numkv("StaticKVCache")(BATCH, KV_HEADS, MAX_SEQ, HEAD_DIM, dtype=self._params[0])
+
+
+class Quantize:
+    """``numkv.quantize`` of a prompt's keys, (1, 8, 2048, 128) float32, and of
+    one token's, (1, 8, 1, 128): q8_0 / q4_0 blocks."""
+
+    params = ["q8_0", "q4_0"]
+    param_names = ["format"]
+    timer = timeit.default_timer
+
+    def setup(self, fmt):
+        import numkv
+
+        self.quantize = require_attr(numkv, "quantize")
+        self.prompt, self.token = _token(n=FILL, seed=12), _token(seed=13)
+        self.quantize(self.token, fmt)  # compile outside the timing
+
+    def time_prompt(self, fmt):
+        self.quantize(self.prompt, fmt)
+
+    def time_token(self, fmt):
+        self.quantize(self.token, fmt)
 
 
 class DynamicKVCacheAppend(_Append):
