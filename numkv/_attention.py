@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _config
-from ._runtime import pool
+from ._runtime import pool, thread_count
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_mask_dtype, kernel_dtype_codes)
 from ._kernels.layout import Q8_0, QUANT_FORMATS  # (plain Python: numba loads with the kernels)
@@ -95,6 +95,7 @@ LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_GEMM_ITEMS = 256, 64
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 21, 1 << 23, 1 << 22
+GIL_MACS = 1 << 26  # multiply-adds a thread, above which a call lets go of the GIL (``_releases_gil``)
 # Threads claim work items one at a time rather than take equal shares: a
 # worker that wakes late or runs slow then takes fewer (2 threads, medians of
 # interleaved calls: 1.01-1.06x faster decode, Skv 512-16384 and B=8; 1.09x
@@ -409,6 +410,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         small=threads == 1, claimed=CLAIM_ITEMS and threads > 1, threads=threads,
+        release_gil=_releases_gil(macs, threads),
         y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
@@ -423,6 +425,17 @@ def _useful_threads(macs):
     if macs < SINGLE_THREAD_MACS:
         return 1
     return max(2, int(macs // THREAD_MACS)) if THREAD_MACS else pool.MAX_WORKERS + 1  # (tests set 0: no limit)
+
+
+def _releases_gil(macs, threads):
+    """Whether a call lets other Python threads run while it computes: where
+    it is expected to take longer than Python's switch interval (5 ms),
+    after which a thread waiting for the GIL takes it anyway; a shorter
+    one keeps it, and so never waits up to 5 ms to get it back beside a
+    busy Python thread (``pool``).  ``GIL_MACS`` multiply-adds a thread
+    take ~5 ms at the slowest rate measured (a float32 decode's ~15 G/s a
+    thread, 2-core EPYC; prefill runs at ~50 G/s)."""
+    return macs >= GIL_MACS * min(threads, thread_count.get_num_threads())
 
 
 @dataclass(slots=True)
@@ -445,6 +458,7 @@ class _Plan:
     small: bool
     claimed: bool
     threads: int  # at most this many share the kernel (``_useful_threads``)
+    release_gil: bool  # a long call: other Python threads run meanwhile (``_releases_gil``)
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
     loops: np.ndarray = None  # the addresses of its formats' loops (``format_loops``)
 
@@ -477,7 +491,7 @@ class _Plan:
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, self.loops, part_m, part_l, part_acc,
             counter, chunks_done),
-            self.small, self.claimed, max_threads=self.threads, joined=True)
+            self.small, self.claimed, max_threads=self.threads, release_gil=self.release_gil)
         if self.y_scale is not None:  # y_d = s_d sum_j p_j c_jd / l (a QuantizedArray V: Y is 4-D)
             y *= self.y_scale
         return _finish(y, self.out_dtype)

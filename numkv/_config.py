@@ -80,18 +80,22 @@ _gc_pause = _GCPause()
 _listening = []
 
 
-def jit(reassociate=False, contract=False, inline=False):
+def jit(reassociate=False, contract=False, inline=False, release_gil=False):
     """A lazy ``numba.njit`` (no signatures: nothing compiles at import);
     ``reassociate`` enables exactly the ``FASTMATH`` flags, ``contract`` only
     the fusing of a multiply and an add into one FMA (no reordering);
     ``inline`` inlines a small helper into its callers (no call, no reference
-    counting of its array arguments)."""
+    counting of its array arguments).  A kernel keeps its caller's GIL
+    (beside a busy Python thread, taking it back after a call costs up to
+    Python's switch interval, 5 ms); a long call on the pool lets go of it
+    itself (``_runtime.protocol``); ``release_gil``: numba's ``nogil``, for
+    the pool's workers, which never come back."""
     import numba
 
     if not _listening:
         _gc_pause.listen()
         _listening.append(True)
-    options = dict(nogil=True, error_model="numpy")
+    options = dict(nogil=release_gil, error_model="numpy")
     if reassociate:
         options["fastmath"] = set(FASTMATH)
     elif contract:

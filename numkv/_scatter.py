@@ -37,6 +37,10 @@ _IS_CIRCULAR = {mode: mode == "circular" for mode in MODES}
 # Below this many bytes moved the serial kernel wins: the parallel launch
 # costs more than the copy itself (see README, "Benchmarks").
 PARALLEL_MIN_BYTES = 1 << 18
+# From this many bytes moved a copy lets other Python threads run meanwhile
+# (``_runtime.pool``): ~5 ms, Python's switch interval, at the ~10 GB/s a
+# thread copies.
+RELEASE_GIL_BYTES = 1 << 25
 CHUNK_BYTES = 1 << 16
 _INT64 = np.dtype(np.int64)
 
@@ -207,9 +211,10 @@ def tensor_scatter(
                     if not 0 <= start <= last:
                         _write_positions(starts.tolist(), seq_len, max_seq, False)  # raises, naming the row
             if n_bytes < PARALLEL_MIN_BYTES:  # on this thread, as pool.run would (its call costs ~0.3 us)
-                kernels.scatter_items(0, n_items, dst, upd, dst, plan, starts, circular)
+                kernels.scatter_items(0, n_items, dst, upd, dst, plan, starts, circular, *pool.ALONE)
             else:
-                pool.run(kernels.scatter_items, n_items, (dst, upd, dst, plan, starts, circular))
+                pool.run(kernels.scatter_items, n_items, (dst, upd, dst, plan, starts, circular),
+                         release_gil=n_bytes >= RELEASE_GIL_BYTES)
             return out
 
     if type(past_cache) is QuantizedArray:  # codes and scales: checked, then scattered as bytes
@@ -283,7 +288,8 @@ def tensor_scatter(
     args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
             plan, starts, circular)
     # Small copies stay on the calling thread (cheaper than handing out shares).
-    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES)
+    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES,
+             release_gil=n_bytes >= RELEASE_GIL_BYTES)
     return result
 
 

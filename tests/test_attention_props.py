@@ -151,10 +151,10 @@ def run_on_threads(call, threads, claim=False, **kwargs):
     shares = []
     run = pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, release_gil=False):
         assert claimed == (claim and kernel.__name__ == "attention_items")
         shares.append(1 if small else min(threads, n_items))
-        return run(kernel, n_items, args, small, claimed, max_threads, joined)
+        return run(kernel, n_items, args, small, claimed, max_threads, release_gil)
 
     with pytest.MonkeyPatch.context() as mp:
         for threshold in ("SINGLE_THREAD_MACS", "SPLIT_MACS", "THREAD_MACS"):
@@ -234,10 +234,10 @@ def test_threads_are_capped_by_the_work(monkeypatch):
     k = rng.standard_normal((1, 8, 1024, 128), np.float32)      # 8.4M MACs: 2 threads
     used, run = [], pool.run
 
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
+    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, release_gil=False):
         if kernel.__name__ == "attention_items":
             used.append(1 if small else min(16, n_items, max_threads or 16))
-        return run(kernel, n_items, args, small, claimed, max_threads, joined)
+        return run(kernel, n_items, args, small, claimed, max_threads, release_gil)
 
     monkeypatch.setattr(thread_count, "get_num_threads", lambda: 16)
     monkeypatch.setattr(pool, "run", spy)

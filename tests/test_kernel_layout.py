@@ -26,7 +26,7 @@ KERNELS = ROOT / "numkv" / "_kernels"
 KERNEL_LAYERS = [
     ["layout", "cpu", "compiler"],
     ["simd"],
-    ["gemm", "widen", "softmax", "spin_wait"],
+    ["gemm", "widen", "softmax"],
     ["decode_loops"],
     ["format_loops"],
     ["attention", "narrow", "quantize", "scatter", "read_bandwidth"],
@@ -99,17 +99,20 @@ def _constant(tree, name):
 
 
 KERNEL_MODULES = sorted(f"numkv._kernels.{p.stem}" for p in KERNELS.glob("*.py") if p.stem != "__init__")
-# The modules whose cached kernels compile helpers from other files of the folder.
-GUARDED = [m for m in KERNEL_MODULES
+# The modules whose cached kernels compile helpers from other files: of the
+# folder, or the pool's protocol and its control block (``numkv._runtime``).
+RUNTIME_MODULES = sorted(f"numkv._runtime.{p.stem}" for p in (ROOT / "numkv" / "_runtime").glob("*.py")
+                         if p.stem != "__init__")
+GUARDED = [m for m in KERNEL_MODULES + RUNTIME_MODULES
            if _compiles_kernels(ast.parse(_path(m).read_text()))
-           and any(h.startswith("numkv._kernels.") for h in numkv_imports(m))]
+           and any(h.startswith(("numkv._kernels.", "numkv._runtime.")) for h in numkv_imports(m))]
 
 
 def test_the_guarded_modules_are_the_expected_ones():
     # A new module whose kernels inline helpers joins GUARDED by itself;
     # this pins the list so that losing one (a parsing slip) shows.
     assert {"numkv._kernels.attention", "numkv._kernels.format_loops", "numkv._kernels.narrow",
-            "numkv._kernels.spin_wait"} <= set(GUARDED)
+            "numkv._kernels.scatter", "numkv._runtime.protocol"} <= set(GUARDED)
 
 
 @pytest.mark.parametrize("module", GUARDED, ids=lambda m: m.rpartition(".")[2])

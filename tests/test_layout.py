@@ -2,13 +2,14 @@
 ``import numkv`` loads.
 
 The layers, bottom to top: ``_version``; ``_config``, ``_dtypes``,
-``_validate``; the kernels (``_kernels``: numba and llvmlite); what they run
-on (``_runtime``); the wrappers (``_reference``, ``_scatter``,
+``_validate``; what the kernels run on (``_runtime``: the thread count and
+the pool, whose compiled protocol every pool kernel calls); the kernels
+(``_kernels``: numba and llvmlite); the wrappers (``_reference``, ``_scatter``,
 ``_attention``, ``_quantize``); the public surfaces (``cache``, ``layers``,
 ``onnx``, ``transformers``); the package ``__init__``; the command line
 (``_cli``, ``__main__``).  A module imports only its own layer or those
-below, never in a cycle; only the kernels and the jit factory import numba
-or llvmlite.
+below, never in a cycle; only the kernels, the pool's protocol and the jit
+factory import numba or llvmlite.
 """
 
 import ast
@@ -23,14 +24,14 @@ PACKAGE = ROOT / "numkv"
 LAYERS = [
     ["numkv._version"],
     ["numkv._config", "numkv._dtypes", "numkv._validate"],
-    ["numkv._kernels"],
     ["numkv._runtime"],
+    ["numkv._kernels"],
     ["numkv._reference", "numkv._scatter", "numkv._attention", "numkv._quantize"],
     ["numkv.cache", "numkv.layers", "numkv.onnx", "numkv.transformers"],
     ["numkv"],
     ["numkv._cli", "numkv.__main__"],
 ]
-NUMBA_IMPORTERS = ("numkv._kernels", "numkv._config")
+NUMBA_IMPORTERS = ("numkv._kernels", "numkv._config", "numkv._runtime.protocol")
 
 
 def module_name(path):
@@ -117,7 +118,7 @@ def test_no_import_cycle():
     assert not cycles, "\n".join(cycles)
 
 
-def test_only_the_kernels_and_the_jit_factory_import_numba_or_llvmlite():
+def test_only_the_kernels_the_protocol_and_the_jit_factory_import_numba_or_llvmlite():
     bad = [f"{name}:{line} imports {module}" for name, path in MODULES.items()
            if not name.startswith(NUMBA_IMPORTERS)
            for module, line in imports(path) if module.split(".")[0] in ("numba", "llvmlite")]

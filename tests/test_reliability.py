@@ -1,8 +1,9 @@
 """numkv inside other people's programs (issue 12, items 4-6): thread limits,
 Python threads, fork, spawn, threadpoolctl, torch's OpenMP, Dask.
 
-In-process tests watch numkv's pool (``numkv._runtime.pool.run``) run a probe in
-place of a kernel: how many threads took a share.  The subprocess tests set
+In-process tests watch numkv's pool (``numkv._runtime.pool.run``) run probe
+kernels (``pool_probes``): how many threads took a share, a worker busy
+elsewhere, an exception in a share.  The subprocess tests set
 numba's threading layer (``NUMBA_THREADING_LAYER``) to the one that failed
 before numkv had its own pool (GNU OpenMP: a forked child killed, a fork Pool
 hung; workqueue: concurrent Python threads aborted the process), so that
@@ -23,8 +24,9 @@ import numpy as np
 import pytest
 
 import numkv
-from numkv._kernels.layout import CALLED_OFF
-from numkv._runtime import pool, thread_count
+from numkv._runtime import control, pool, thread_count
+
+from pool_probes import block, count_items, fail_at, shares_used
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # this checkout's numkv
 
@@ -47,14 +49,7 @@ def default_threads():
 
 def threads_used(n_items=64, small=False):
     """How many threads ran a share of ``n_items`` work items."""
-    seen, lock = set(), threading.Lock()
-
-    def probe(first, stop):
-        with lock:
-            seen.add(threading.get_ident())
-
-    pool.run(probe, n_items, (), small)
-    return len(seen)
+    return shares_used(n_items, small)
 
 
 # -- the thread count ---------------------------------------------------------
@@ -115,82 +110,63 @@ def test_threadpoolctl_limits_numkv(default_threads):
         assert numkv.get_num_threads() == 1
 
 
-def test_a_worker_that_starts_late_is_called_off(default_threads):
-    """An attention call whose worker is busy elsewhere (here: a share of
-    another call that waits) does not wait for it: its caller takes every
-    item and calls the worker's share off; Y is one thread's, and the worker
-    skips the share when it gets to it."""
+def test_a_call_made_while_another_has_the_pool_runs_alone(default_threads):
+    """A Python thread's call that finds the workers busy with another
+    thread's call (here: a share that waits) does not wait for them: it runs
+    on its own thread, and Y is one thread's."""
     rng = np.random.default_rng(11)
     q = rng.standard_normal((1, 8, 1, 64), np.float32)
     k, v = (rng.standard_normal((1, 4, 2048, 64), np.float32) for _ in range(2))  # 2.1M MACs: 2 threads
     numkv.set_num_threads(1)
     want = numkv.attention(q, k, v)
     numkv.set_num_threads(2)
-    busy, release, waited = threading.Event(), threading.Event(), threading.Event()
-
-    def blocker(first, stop):
-        if first > 0:  # the worker's share
-            busy.set()
-            release.wait(20)
-            waited.set()
-
-    other = threading.Thread(target=pool.run, args=(blocker, 2, ()))
+    flags = np.zeros(3, np.int64)
+    other = threading.Thread(target=pool.run, args=(block, 2, (flags,)), kwargs=dict(release_gil=True))
     other.start()
     try:
-        assert busy.wait(60)
+        deadline = time.monotonic() + 60
+        while not flags[0] and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        assert flags[0]
         y = numkv.attention(q, k, v)
-        assert not waited.is_set()  # it came back while the worker was busy
+        assert not flags[2]  # it came back while the worker was busy
     finally:
-        release.set()
+        flags[1] = 1
         other.join()
     np.testing.assert_array_equal(y, want)
-    np.testing.assert_array_equal(numkv.attention(q, k, v), want)  # the worker took the next call's share
+    np.testing.assert_array_equal(numkv.attention(q, k, v), want)  # the workers serve the next call
 
 
-def test_a_called_off_share_does_not_stand_in_for_a_running_one(default_threads, monkeypatch):
-    """Three threads: one worker is busy elsewhere and is called off, the
-    other takes items and is slow to come back.  The call returns only once
-    the slow one has (a called-off share once put a result the caller took
-    for the running share's, and the call returned while it still ran)."""
-    rng = np.random.default_rng(12)
-    q = rng.standard_normal((1, 32, 1, 128), np.float32)
-    k, v = (rng.standard_normal((1, 8, 8192, 128), np.float32) for _ in range(2))  # ~2 ms: the first worker starts
-    numkv.set_num_threads(1)
-    want = numkv.attention(q, k, v)
-    numkv.set_num_threads(3)
-    busy, release, returned = threading.Event(), threading.Event(), threading.Event()
+@pytest.mark.parametrize("release_gil", [False, True])
+def test_every_item_runs_once_and_before_the_call_returns(default_threads, release_gil):
+    """More threads than cores, so that workers start late (their shares
+    are taken back and run by the caller) or are still running when the
+    caller is done (it waits): each item runs exactly once, by the time the
+    call returns."""
+    numkv.set_num_threads(6)
+    hits, shares = np.zeros(40, np.int64), np.zeros(1024, np.int64)
+    for call in range(300):
+        hits[:] = 0
+        pool.run(count_items, hits.size, (hits, shares, call % 3 * 200), release_gil=release_gil)
+        assert (hits == 1).all(), (call, hits)
+    assert shares[1:6].any()
 
-    def blocker(first, stop):
-        if first == 2:  # the second worker's share
-            busy.set()
-            release.wait(20)
 
-    run = pool.run
-
-    def slow_first_worker(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
-        def kernel_(first, stop, *a):
-            kernel(first, stop, *a)
-            call, role = a[-2:]
-            if role == 1:  # the first worker, once its items are done
-                deadline = time.monotonic() + 30
-                while call[2] != CALLED_OFF and time.monotonic() < deadline:  # (the caller's end calls it off)
-                    time.sleep(1e-4)
-                release.set()  # the second finds its share called off
-                time.sleep(0.3)
-                returned.set()
-        return run(kernel_, n_items, args, small, claimed, max_threads, joined)
-
-    other = threading.Thread(target=pool.run, args=(blocker, 3, ()))
-    other.start()
-    try:
-        assert busy.wait(60)
-        monkeypatch.setattr(pool, "run", slow_first_worker)
-        y = numkv.attention(q, k, v)
-        assert returned.is_set()
-    finally:
-        release.set()
-        other.join()
-    np.testing.assert_array_equal(y, want)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("release_gil", [False, True])
+def test_an_exception_in_any_share_reaches_the_caller(default_threads, threads, release_gil):
+    """Whichever share raises -- the caller's or a worker's -- the call
+    raises it (the class and message numba raised) once every share has
+    stopped, and the pool serves the next call."""
+    numkv.set_num_threads(threads)
+    for bad in (0, 5, 9):
+        out = np.zeros(10, np.int64)
+        with pytest.raises(ValueError, match="item is bad"):
+            pool.run(fail_at, out.size, (bad, out), release_gil=release_gil)
+        assert pool._pool.ctrl is None or pool._pool.ctrl[control.FAIL_STATUS] == 0
+    out = np.zeros(10, np.int64)
+    pool.run(fail_at, out.size, (-1, out), release_gil=release_gil)
+    assert (out == 1).all()
 
 
 # -- Python threads -------------------------------------------------------------
@@ -305,20 +281,8 @@ def _in_worker(seed):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, 8, 4, 64), dtype=np.float32)
     k = rng.standard_normal((1, 4, 600, 64), dtype=np.float32)
-    used, run = set(), pool.run
-
-    def spy(kernel, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
-        def counted(first, stop, *a):
-            used.add(threading.get_ident())
-            return kernel(first, stop, *a)
-        return run(counted, n_items, args, small, claimed, max_threads, joined)
-
-    pool.run = spy
-    try:
-        y = numkv.attention(q, k, k)
-    finally:
-        pool.run = run
-    return os.environ.get("OMP_NUM_THREADS"), numkv.get_num_threads(), len(used), y
+    y = numkv.attention(q, k, k)
+    return os.environ.get("OMP_NUM_THREADS"), numkv.get_num_threads(), shares_used(), y
 
 
 def test_dask_workers_take_the_worker_thread_limit():

@@ -311,12 +311,12 @@ def spy_kernels(monkeypatch):
             calls["serial"] += 1
         return real(*args)
 
-    def spy(kernel_, n_items, args, small=False, claimed=False, max_threads=None, joined=False):
+    def spy(kernel_, n_items, args, small=False, claimed=False, max_threads=None, release_gil=False):
         if kernel_ is kernel:
             calls["serial" if small else "parallel"] += 1
         in_pool.append(1)
         try:
-            return run(kernel_, n_items, args, small, claimed, max_threads, joined)
+            return run(kernel_, n_items, args, small, claimed, max_threads, release_gil)
         finally:
             in_pool.pop()
 

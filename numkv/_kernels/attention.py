@@ -112,19 +112,18 @@ from .layout import (  # noqa: F401
     BASE, BATCH, BF16, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ,
     E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_ROWS, GEMM_SCORES, GEMM_SOFTMAX,
     GEMM_VALUES, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
-    NONE, NOT_STARTED, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
-    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STARTED, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
+    NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
+    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
     TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
 )
-from .simd import (LOOP_FAILED, _as_rows, _claim, _compare_exchange, _count_done, _full_width_loops, _max, _min,
-                   _run, _view)
-from .spin_wait import _join_workers, _post_jobs
+from .._runtime.protocol import pool_enter, pool_exit
+from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _full_width_loops, _max, _min, _run, _view
 from .widen import _kv_tile, _widen_rows_of
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "1fea291375e4a041ac2352cb1589c1f87b839df36d38cf16f8cf36bbe56da965"
+HELPERS_SHA256 = "dd51feb592cf79b51f081b6415d6f7fc9daacb3ed4c31266f49314f6b9ae351f"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -132,7 +131,7 @@ HELPERS_SHA256 = "1fea291375e4a041ac2352cb1589c1f87b839df36d38cf16f8cf36bbe56da9
 
 @jit()
 def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats, offset, valid,
-                    table, formats, loops, part_m, part_l, part_acc, counter, chunks_done, flags, call, role):
+                    table, formats, loops, part_m, part_l, part_acc, counter, chunks_done, ctrl, role):
     """Work items ``first .. stop``, in order; or, where ``counter`` has an
     element, claimed one at a time (``first + counter[0]``, atomically) by
     every thread running this call over the same range, so that a thread
@@ -147,12 +146,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     second pass over the items, a split call hands out work to the threads
     once).  (One function, not a loop calling an item function: each level
     of calls re-optimises all the code below it, and this one cost ~4 s of
-    compile time.)  Run ``joined`` (``pool.run``): ``flags``, ``call`` and
-    ``role`` are the pool's (``spin_wait``)."""
+    compile time.)  ``ctrl`` and ``role`` are the pool's (``_runtime.protocol``)."""
     _full_width_loops()
-    if role == 0:
-        _post_jobs(flags, call)
-    elif not _compare_exchange(call, role, NOT_STARTED, STARTED):  # called off: the caller has finished
+    if not pool_enter(ctrl, role):  # (a long call: every share ran without the GIL)
         return
     n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
     group = ints[Q_HEADS] // ints[KV_HEADS]
@@ -279,8 +275,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
             failures += _run(loops[acc_code, FINISH], (y, ints, desc, acc, l, bad, part_m, part_l, part_acc, b, hk,
                                                        qt_index, rows, item * n_ch, chunks))
-    if role == 0:
-        _join_workers(flags, call, claiming)
+    pool_exit(ctrl, role)
     if failures:
         raise RuntimeError(LOOP_FAILED)
 

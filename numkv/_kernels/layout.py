@@ -79,11 +79,3 @@ del _code, _row
 LOOP_FIELDS = ("scores", "values", "widen", "gemm_scores", "gemm_values", "softmax", "gemm_softmax", "finish")
 SCORES, VALUES, WIDEN, GEMM_SCORES, GEMM_VALUES, SOFTMAX, GEMM_SOFTMAX, FINISH = range(len(LOOP_FIELDS))
 N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)
-
-# -- the thread pool's flags (``numkv._runtime.pool``, ``spin_wait``) --------------
-# ``flags``: a slot of ``FLAG_SLOT`` int64s (a cache line) per worker, in two
-# halves: the sequence number of the last job posted to the worker, then of
-# the last one it finished.  ``call`` (one per call, ``pool.run(...,
-# joined=True)``): the call's sequence number, then a state per worker.
-FLAG_SLOT = 8
-NOT_STARTED, STARTED, CALLED_OFF = 0, 1, 2

@@ -7,6 +7,7 @@
 import numpy as np
 
 from .._config import jit
+from .._runtime.protocol import pool_enter, pool_exit
 from .cpu import has_f16c  # noqa: F401  (the wrapper asks here: ``to_float16`` is for F16C)
 from .simd import _full_width_loops, _half_bits
 
@@ -15,15 +16,19 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "bc37d20d8a8485b3d0d5c0a2103b6a98822dca82e40bcde071b8f8388c136c4e"
+HELPERS_SHA256 = "95c53d529efb3fb03bd9f5e43d30350c4657317650b52a45deb9f99fbe183e8c"
 
 CHUNK = 1 << 16  # elements a work item
 
 
 @jit()
-def to_float16(first, stop, src, dst):
-    """``dst = float16 bits of src`` (both flat), chunks ``first .. stop``."""
+def to_float16(first, stop, src, dst, ctrl, role):
+    """``dst = float16 bits of src`` (both flat), chunks ``first .. stop``
+    (``ctrl`` and ``role``: the pool's, ``_runtime.protocol``)."""
     _full_width_loops()
+    if not pool_enter(ctrl, role):
+        return
     for c in range(first, stop):
         for i in range(np.uint64(c * CHUNK), np.uint64(min(src.size, (c + 1) * CHUNK))):
             dst[i] = _half_bits(src[i])
+    pool_exit(ctrl, role)

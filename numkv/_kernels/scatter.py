@@ -38,12 +38,29 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
+from .._runtime.protocol import pool_enter, pool_exit
+
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): numba's disk cache
+# notices edits to a kernel's own file only, and
+# ``tests/test_kernel_layout.py`` fails, printing the new value, until this
+# is updated after a helper changes (updating it makes numba recompile).
+HELPERS_SHA256 = "73da399dbec7ef7e1db5657413cb3ef5902f4b11fd220049a6c2c07be2b6b40a"
 
 HEADER = 10
 
 
 @jit()
-def scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circular):
+def scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circular, ctrl, role):
+    """``_scatter_items`` on the pool (``ctrl`` and ``role``: ``_runtime.protocol``)."""
+    if not pool_enter(ctrl, role):
+        return
+    _scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circular)
+    pool_exit(ctrl, role)
+
+
+@jit()
+def _scatter_items(first, stop, dst_in, upd_in, src_in, plan, write_indices, circular):
     """Work items ``first .. stop`` (of ``n_items(plan)``): write ``upd`` into
     ``dst`` at ``(write_indices[b] + i) % max_seq``.
 
