@@ -87,7 +87,7 @@ def test_info_says_what_numkv_runs_on(capsys):
     out = capsys.readouterr().out
     assert f"numkv {numkv.__version__}" in out
     for field in ("numpy ", "numba ", "NumPy's BLAS: ", "prefill products: register blocks of 6 x ",
-                  "threading: ", "kernel cache: "):
+                  "threading: ", "launch: ", " us on ", "kernel cache: "):
         assert field in out, field
     assert f"threads: {numkv.get_num_threads()}, " in out
 

@@ -307,3 +307,95 @@ def test_dask_workers_take_the_worker_thread_limit():
         assert (omp, threads, used) == ("1", 1, 1)
         *_, expected = _in_worker(seed)
         np.testing.assert_array_equal(y, expected)
+
+
+# -- Ctrl-C, spinning, the GIL ----------------------------------------------------------
+
+def test_ctrl_c_in_a_long_call_raises_once_every_share_stopped():
+    """A long call (it lets go of the GIL) interrupted by SIGINT: the
+    KeyboardInterrupt comes when it returns, never while a worker still
+    writes its Y, and the next call gives the same Y."""
+    out = run_script("""
+        import os, signal, threading
+        import numpy as np, numkv
+        numkv.set_num_threads(2)
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((1, 8, 512, 64), np.float32)
+        k, v = (rng.standard_normal((1, 2, 512, 64), np.float32) for _ in range(2))
+        want = numkv.attention(q, k, v)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        calls = 0
+        try:
+            while calls < 100000:
+                y = numkv.attention(q, k, v)
+                assert np.array_equal(y, want)
+                calls += 1
+        except KeyboardInterrupt:
+            print("interrupted", calls > 0)
+        assert np.array_equal(numkv.attention(q, k, v), want)
+        print("ok")
+    """, NUMKV_SPIN_US="0")
+    assert out.split() == ["interrupted", "True", "ok"]
+
+
+def test_spinning_off_and_on_give_the_same_results(default_threads):
+    """``NUMKV_SPIN_US=0`` (documented in ``set_num_threads``) and the default:
+    the same Y, calls back to back and apart."""
+    script = """
+        import time
+        import numpy as np, numkv
+        numkv.set_num_threads(2)
+        rng = np.random.default_rng(1)
+        q = rng.standard_normal((1, 32, 1, 128), np.float32)
+        k, v = (rng.standard_normal((1, 8, 1024, 128), np.float32) for _ in range(2))
+        ys = []
+        for i in range(50):
+            ys.append(numkv.attention(q, k, v))
+            if i % 10 == 0:
+                time.sleep(0.01)
+        print(all(np.array_equal(y, ys[0]) for y in ys), float(ys[0].sum()))
+    """
+    off, on = run_script(script, NUMKV_SPIN_US="0"), run_script(script)
+    assert off == on and off.split()[0] == "True"
+
+
+def test_a_small_call_keeps_the_gil_and_a_long_one_lets_go(default_threads):
+    """Beside a Python thread that counts while it holds the GIL, a small
+    call (below the switch interval) leaves it nothing to count meanwhile;
+    a long one lets it run."""
+    from numkv import _attention
+
+    numkv.set_num_threads(2)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 8, 1, 64), np.float32)
+    k = rng.standard_normal((1, 2, 64, 64), np.float32)
+    assert not _attention._releases_gil(8 * 64 * 128, 1)
+    qp = rng.standard_normal((1, 8, 1024, 64), np.float32)
+    kp = rng.standard_normal((1, 2, 1024, 64), np.float32)
+    assert _attention._releases_gil(8 * 1024 * 1024 * 128, 2)
+    numkv.attention(q, k, k), numkv.attention(qp, kp, kp)
+    count, stop = [0], threading.Event()
+
+    def counter():
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)  # (no forced switch during the test: only a released GIL lets it count)
+    other = threading.Thread(target=counter)
+    other.start()
+    try:
+        time.sleep(0.05)
+        small = []
+        for _ in range(20):
+            before = count[0]
+            numkv.attention(q, k, k)
+            small.append(count[0] - before)
+        before = count[0]
+        numkv.attention(qp, kp, kp)
+        long_ = count[0] - before
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(interval)
+    assert max(small) == 0 and long_ > 0, (small, long_)

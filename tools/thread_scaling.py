@@ -36,11 +36,9 @@ for hq, hkv, d, skv in cases:
     print(f"Hq{hq}-Hkv{hkv}-D{d}-Skv{skv}", *[f"{x:.0f}" for x in row], f"{tt:.0f}", sep="\t", flush=True)
 numkv.set_num_threads(None)
 # the pool's launch: a kernel doing nothing, on c threads
-from numkv._kernels.read_bandwidth import chunk_sums
-rows = np.zeros((64, 64), np.float32)
+from numkv._runtime import protocol
 print("pool launch (us):", end=" ")
 for c in counts:
     numkv.set_num_threads(c)
-    out = np.zeros(c, np.float32)
-    print(f"t{c}={med(lambda: pool.run(chunk_sums, c, (rows, out))) * 1e6:.1f}", end=" ", flush=True)
+    print(f"t{c}={med(lambda: pool.run(protocol.empty, c, ())) * 1e6:.1f}", end=" ", flush=True)
 print()

@@ -88,6 +88,11 @@ class Case:
     limit: Optional[str] = None
     check: bool = True
     min_samples: int = 3
+    # Timed call by call: the median of ``calls`` single calls of each
+    # implementation (alternating), each after ``gap`` seconds of other work
+    # on the caller (0: back to back); None: samples of many calls.
+    gap: Optional[float] = None
+    calls: int = 0
 
 
 def select(cases, pattern):
@@ -727,9 +732,44 @@ def _ort_gqa_impl(w, fmt, q, qk, qv, floats, scales, threads, work):
     return _attempt(label, "onnxruntime", make, work)
 
 
+# -- small calls the way users make them (issue 44) -------------------------------------------
+#
+# ``launch``: what handing a kernel to numkv's threads costs, an empty kernel
+# on every thread (``_runtime.protocol.empty``), beside the same call on the
+# calling thread alone; back to back and after a gap.  And the small decodes
+# after a gap: a model's other work between two attention calls leaves
+# threads asleep and caches cold, which back-to-back samples never see.
+
+GAP = 1e-3  # seconds of other work on the caller before each call
+LAUNCH_CALLS, GAP_CALLS = 5000, 1000
+
+
+def _launch_impls(threads):
+    from numkv._runtime import pool, protocol, thread_count
+
+    n = threads or thread_count.get_num_threads()
+    return [Impl(f"numkv pool: an empty kernel on {n} threads", "numkv", lambda: pool.run(protocol.empty, n, ())),
+            Impl("numkv: an empty kernel on the calling thread", "numkv",
+                 lambda: pool.run(protocol.empty, n, (), small=True))]
+
+
+def launch_cases(threads=None):
+    return [Case("launch", "the pool's launch: an empty kernel on every thread, back to back",
+                 lambda: _launch_impls(threads), check=False, gap=0.0, calls=LAUNCH_CALLS),
+            Case("launch-after-gap", f"the pool's launch after {GAP * 1e3:g} ms of other work on the caller",
+                 lambda: _launch_impls(threads), check=False, gap=GAP, calls=LAUNCH_CALLS)]
+
+
+def after_gap_cases(threads=None):
+    loads = [decode(1024), Workload("decode", 1, 16, 4, 1, 1088, 64), Workload("decode", 1, 32, 8, 1, 2048, 64)]
+    return [Case(f"{w.id}-after-gap", f"{w.title}, each call after {GAP * 1e3:g} ms of other work on the caller",
+                 (lambda w=w: attention_impls(w, threads, peers=("numkv", "torch"))), limit=w.limit,
+                 gap=GAP, calls=GAP_CALLS) for w in loads]
+
+
 def default_cases(threads=None):
     """Every case of ``python -m numkv bench``, in the order they run."""
     loads = prefill_workloads() + decode_workloads()
-    return ([attention_case(w, threads) for w in loads] + quantized_decode_cases(threads)
-            + scatter_cases(threads))
+    return ([attention_case(w, threads) for w in loads] + after_gap_cases(threads) + quantized_decode_cases(threads)
+            + scatter_cases(threads) + launch_cases(threads))
 

@@ -68,8 +68,8 @@ def read_bandwidth(nbytes=512 << 20, repeats=5):
 
     rows = np.ones((nbytes // (4 * LANES), LANES), np.float32)  # written once: every page faulted in
     partial = np.empty(256, np.float32)  # many chunks per thread: no thread idles at the end
-    return rows.nbytes / _median_seconds(lambda: pool.run(chunk_sums, len(partial), (rows, partial)),
-                                         repeats)
+    return rows.nbytes / _median_seconds(
+        lambda: pool.run(chunk_sums, len(partial), (rows, partial), release_gil=True), repeats)
 
 
 def measure_limits(gemm_n=2048, read_nbytes=512 << 20, repeats=5):

@@ -1,10 +1,11 @@
-"""``python -m numkv info``: what numkv runs on, without compiling anything.
+"""``python -m numkv info``: what numkv runs on.
 
 Versions (numkv, Python, NumPy, numba, llvmlite, ml_dtypes), the register
 blocks of prefill's matrix products, NumPy's BLAS, threads and how they are
-run, and
+run, what handing a kernel to them costs (the pool's launch, timed), and
 where numba keeps numkv's compiled kernels (and whether it could use the
-directory asked for).
+directory asked for).  Compiles nothing but the pool's few small functions
+(~1 s on a cold cache), to time the launch.
 """
 
 import importlib
@@ -23,13 +24,17 @@ from numkv._cli.compile_notice import is_numkv_kernel
 def runtime_info():
     """``(numba version, threads, threading)``: numkv runs its kernels on its
     own thread pool, never numba's threading layer."""
-    return _version("numba"), numkv.get_num_threads(), "numkv pool (numba nogil kernels)"
+    from numkv._runtime import pool
+
+    return (_version("numba"), numkv.get_num_threads(),
+            f"numkv pool (resident workers; they spin {pool._spin_us()} us after calls that come close together, "
+            f"NUMKV_SPIN_US)")
 
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        "info", help="versions, prefill products, BLAS, threads and threading, kernel cache directory",
-        description=__doc__.split("\n\n")[0] + " Compiles nothing.")
+        "info", help="versions, prefill products, BLAS, threads, the pool's launch, kernel cache directory",
+        description=__doc__.split("\n\n")[0] + " Compiles only the pool's small functions, to time a launch.")
     p.set_defaults(run=run)
     return p
 
@@ -76,6 +81,25 @@ def threading_info():
 
     _, threads, how = runtime_info()
     return threads, how
+
+
+def launch_info(calls=2000):
+    """What handing a kernel to numkv's threads costs here: the median of
+    ``calls`` back-to-back calls of an empty kernel on every thread
+    (``python -m numkv bench --only launch`` times it after a gap too)."""
+    import statistics
+    import time
+
+    from numkv._runtime import pool, protocol
+
+    threads = numkv.get_num_threads()
+    pool.run(protocol.empty, threads, ())  # (compiles, or loads from the cache, and starts the workers)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        pool.run(protocol.empty, threads, ())
+        times.append(time.perf_counter() - start)
+    return f"{statistics.median(times) * 1e6:.1f} us on {threads} thread(s) (an empty kernel, median of {calls} calls)"
 
 
 def kernel_dispatchers():
@@ -134,6 +158,7 @@ def run(args=None):
     env = ", ".join(f"{k}={os.environ[k]}" for k in
                     ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_THREADING_LAYER") if k in os.environ)
     print(f"threads: {threads}, threading: {how}" + (f"  ({env})" if env else ""))
+    print(f"launch: {launch_info()}")
     path, note = cache_location()
     print(f"kernel cache: {path or '-'}  ({note})")
     sys.stdout.flush()

@@ -104,6 +104,22 @@ def measure(fns, repeats, min_sample=None, budget=10.0, min_samples=3, warm_up=T
     return [statistics.median(got) for got in samples]
 
 
+def measure_calls(fns, calls, gap):
+    """Median seconds of ``calls`` single calls of each of ``fns``, taken in
+    turn, each after ``gap`` seconds of work on this thread (a spin: a
+    model's other work between two calls; 0: back to back)."""
+    times = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, got in zip(fns, times):
+            end = time.perf_counter() + gap
+            while time.perf_counter() < end:
+                pass
+            start = time.perf_counter()
+            fn()
+            got.append(time.perf_counter() - start)
+    return [statistics.median(got) for got in times]
+
+
 def _sample(fn, number):
     """Seconds per call of ``fn`` over ``number`` calls."""
     t0 = time.perf_counter()
@@ -167,7 +183,11 @@ def time_case(case, settings):
         except Exception as e:  # a peer that can't run this case: say so, go on
             timing.note = f"failed: {type(e).__name__}: {str(e)[:120]}"
     ran = [t for t, _ in outputs]
-    if ran:
+    if ran and case.gap is not None:
+        times = measure_calls([t.impl.fn for t in ran], case.calls, case.gap)
+        for timing, seconds in zip(ran, times):
+            timing.seconds = seconds
+    elif ran:
         min_samples = max(3, min(case.min_samples, settings.min_samples))
         times = measure([t.impl.fn for t in ran], settings.repeats, budget=settings.budget,
                         min_samples=min_samples, warm_up=False)

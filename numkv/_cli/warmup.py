@@ -162,6 +162,20 @@ def _quantized_group():
                     numkv.attention(arr((b, 4, new, 64), _dtype(q_name)), **cache.attention_inputs())
 
 
+def _pool_group():
+    """The pool's own functions (``_runtime.protocol``): the workers' loop,
+    the empty kernel a launch is timed with, the join after an error."""
+    from numkv._runtime import control, pool, protocol
+
+    before = numkv.get_num_threads()
+    numkv.set_num_threads(2)
+    try:
+        pool.run(protocol.empty, 2, ())  # (compiles the workers' loop as it starts them)
+    finally:
+        numkv.set_num_threads(before)
+    protocol.join_after_error(control.new_ctrl())  # (a ctrl of one thread: nothing to join)
+
+
 LOW = ("float16", "bfloat16", *FLOAT8)
 
 # In the order they start: the groups that compile the most first (float32
@@ -171,6 +185,7 @@ GROUPS = {
     "attention float32": lambda: _attention_group("float32", ["float32"]),
     "attention float64": lambda: _attention_group("float64", ["float64"]),
     "tensor_scatter": _scatter_group,
+    "the pool": _pool_group,
     "attention float16": lambda: _attention_group("float16", ["float16"]),
     "attention bfloat16": lambda: _attention_group("bfloat16", ["bfloat16"]),
     "attention float8": lambda: [_attention_group(n, [n]) for n in FLOAT8],

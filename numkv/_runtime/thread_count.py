@@ -42,7 +42,16 @@ _threads = _DEFAULT
 def set_num_threads(n):
     """Set the number of threads numkv's kernels use, process-wide; ``None``
     restores the default (``NUMBA_NUM_THREADS``, else ``OMP_NUM_THREADS``, else
-    every core the process may use, as read at ``import numkv``)."""
+    every core the process may use, as read at ``import numkv``).
+
+    The threads are numkv's own, started on the first call that needs them
+    and kept, asleep, between calls.  Where calls come close together (less
+    than 2 ms apart), a thread spins ~100 us after one before it sleeps, so
+    that the next finds it awake (waking a sleeping thread costs tens of
+    microseconds); calls further apart never spin.  To turn spinning off
+    (a machine shared with other busy processes, power), set the
+    environment variable ``NUMKV_SPIN_US=0`` before numkv's first
+    multi-threaded call; another value sets the spin in microseconds."""
     global _threads
     if n is None:
         _threads = _DEFAULT
