@@ -122,7 +122,7 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
               nonpad_kv_seqlen: ArrayLike | None = None, *, scale: float | None = None,
               is_causal: bool = False, q_num_heads: int | None = None, kv_num_heads: int | None = None,
               softcap: float = 0.0, softmax_precision: int | None = None, left_window_size: int = -1,
-              right_window_size: int = -1) -> np.ndarray:
+              right_window_size: int = -1, qk_precision: str | None = None) -> np.ndarray:
     """Scaled dot-product attention as the ONNX ``Attention`` op; returns ``Y``.
 
     ``softmax(Q K^T * scale + bias) V`` with MHA, GQA and MQA (query head
@@ -178,6 +178,16 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
     left_window_size, right_window_size : int
         Keys more than this many positions before / after a query's
         absolute position (``i + offset``) are excluded; -1: unbounded.
+    qk_precision : None or "int8"
+        None (default): ``Q K^T`` in the accumulation dtype, exact.
+        ``"int8"``, only with a quantised K (and past): each query row is
+        first quantised to int8 per block of 32 along the head dimension
+        (scale ``amax / 127`` in float32, codes rounded half to even,
+        clipped to +-127), as llama.cpp quantises its query for integer
+        dot products; Y is attention over that dequantised query (and the
+        dequantised K/V), to float32 rounding.  (Today it is computed so,
+        in float32: the integer dot products that make it faster are not
+        built yet.)
 
     Returns
     -------
@@ -204,6 +214,14 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
     >>> numkv.attention(Q, K, V, nonpad_kv_seqlen=np.array([100]), is_causal=True).shape
     (1, 8, 1, 64)
     """
+    if qk_precision is not None:  # attention over the dequantised int8 query, in Q's dtype
+        q = _int8_query(Q, K, past_key, qk_precision)
+        y = attention(q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, scale=scale,
+                      is_causal=is_causal, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, softcap=softcap,
+                      softmax_precision=softmax_precision, left_window_size=left_window_size,
+                      right_window_size=right_window_size)
+        dtype = as_array(Q, "Q").dtype
+        return y if is_float8_dtype(dtype) or y.dtype == dtype else y.astype(dtype)
     key = None
     if attn_mask is None and past_key is None and past_value is None and nonpad_kv_seqlen is None \
             and not _config.REFERENCE:
@@ -222,6 +240,33 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
 
         return call.finish(attention_reference(call)[0])
     return run(call, key=key)
+
+
+QK_PRECISIONS = (None, "int8")
+QUERY_BLOCK = 32  # elements of Q that share an int8 scale (``qk_precision="int8"``)
+
+
+def _int8_query(Q, K, past_key, qk_precision):
+    """Q quantised to int8 per block of ``QUERY_BLOCK`` along its last axis
+    and dequantised, in float32 (``qk_precision="int8"``; the head size is a
+    multiple of the block, so blocks never straddle heads, 3-D or 4-D)."""
+    if qk_precision not in QK_PRECISIONS:
+        raise ValueError(f"qk_precision must be None or 'int8', got {qk_precision!r}")
+    if type(K) is not QuantizedArray or (past_key is not None and type(past_key) is not QuantizedArray):
+        raise ValueError("qk_precision='int8' needs a quantised K (and past_key): a numkv.QuantizedArray, "
+                         f"got K of type {type(K).__name__}")
+    q = as_array(Q, "Q")
+    if not is_attention_dtype(q.dtype):
+        return q  # (the wrapper names Q's dtype)
+    if q.ndim < 1 or q.shape[-1] % QUERY_BLOCK:
+        raise ValueError(f"qk_precision='int8' quantises Q in blocks of {QUERY_BLOCK} along the head: "
+                         f"its last dimension {q.shape[-1] if q.ndim else 0} is not a multiple of {QUERY_BLOCK}")
+    blocks = q.astype(np.float32).reshape(*q.shape[:-1], -1, QUERY_BLOCK)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        codes = np.clip(np.rint(blocks / scale), -127, 127)
+    codes[np.broadcast_to(scale == 0, codes.shape)] = 0
+    return (codes * scale).reshape(q.shape)
 
 
 # Calls with the same shapes, dtypes and attributes repeat: the layers of a
@@ -410,7 +455,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         small=threads == 1, claimed=CLAIM_ITEMS and threads > 1, threads=threads,
-        release_gil=_releases_gil(macs, threads),
+        macs=macs,
         y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
@@ -435,7 +480,7 @@ def _releases_gil(macs, threads):
     busy Python thread (``pool``).  ``GIL_MACS`` multiply-adds a thread
     take ~5 ms at the slowest rate measured (a float32 decode's ~15 G/s a
     thread, 2-core EPYC; prefill runs at ~50 G/s)."""
-    return macs >= GIL_MACS * min(threads, thread_count.get_num_threads())
+    return macs >= GIL_MACS * min(threads, thread_count._threads)
 
 
 @dataclass(slots=True)
@@ -458,7 +503,7 @@ class _Plan:
     small: bool
     claimed: bool
     threads: int  # at most this many share the kernel (``_useful_threads``)
-    release_gil: bool  # a long call: other Python threads run meanwhile (``_releases_gil``)
+    macs: int  # the multiply-adds of a call (``_releases_gil``)
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
     loops: np.ndarray = None  # the addresses of its formats' loops (``format_loops``)
 
@@ -491,7 +536,7 @@ class _Plan:
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, self.loops, part_m, part_l, part_acc,
             counter, chunks_done),
-            self.small, self.claimed, max_threads=self.threads, release_gil=self.release_gil)
+            self.small, self.claimed, max_threads=self.threads, release_gil=_releases_gil(self.macs, self.threads))
         if self.y_scale is not None:  # y_d = s_d sum_j p_j c_jd / l (a QuantizedArray V: Y is 4-D)
             y *= self.y_scale
         return _finish(y, self.out_dtype)
