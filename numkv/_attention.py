@@ -95,6 +95,7 @@ LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_GEMM_ITEMS = 256, 64
 MIN_CHUNK = 512
 SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 21, 1 << 23, 1 << 22
+HOT_THREAD_MACS = 1 << 19  # from here to SINGLE_THREAD_MACS, two threads where the workers are awake
 GIL_MACS = 1 << 26  # multiply-adds a thread, above which a call lets go of the GIL (``_releases_gil``)
 # Threads claim work items one at a time rather than take equal shares: a
 # worker that wakes late or runs slow then takes fewer (2 threads, medians of
@@ -454,7 +455,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         floats=floats,
         offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
-        small=threads == 1, claimed=CLAIM_ITEMS and threads > 1, threads=threads,
+        threads=threads,
         macs=macs,
         y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
@@ -500,9 +501,7 @@ class _Plan:
     n_chunks: int
     rows: int
     v_head_size: int
-    small: bool
-    claimed: bool
-    threads: int  # at most this many share the kernel (``_useful_threads``)
+    threads: int  # at most this many share the kernel (``_useful_threads``; 1: small, ``HOT_THREAD_MACS``)
     macs: int  # the multiply-adds of a call (``_releases_gil``)
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
     loops: np.ndarray = None  # the addresses of its formats' loops (``format_loops``)
@@ -530,13 +529,17 @@ class _Plan:
         else:  # never touched
             part_m, part_acc = _NO_PARTS[size]
             part_l, chunks_done = part_m, _NO_COUNTER
-        counter = np.zeros(1, np.int64) if self.claimed else _NO_COUNTER
+        threads = self.threads
+        if threads == 1 and self.macs >= HOT_THREAD_MACS and pool.hot():  # calls back to back: two threads pay
+            threads = 2
+        claimed = CLAIM_ITEMS and threads > 1
+        counter = np.zeros(1, np.int64) if claimed else _NO_COUNTER
         flat_y = y.reshape(-1)
         pool.run(kernels.attention_items, self.n_items * self.n_chunks, (
             *inputs, _NO_MASK[size] if mask is None else mask, flat_y, self.ints, self.desc, self.floats,
             self.offset, self.valid, e8m0_table(), kernels.FORMAT_TABLE, self.loops, part_m, part_l, part_acc,
             counter, chunks_done),
-            self.small, self.claimed, max_threads=self.threads, release_gil=_releases_gil(self.macs, self.threads))
+            threads == 1, claimed, max_threads=threads, release_gil=_releases_gil(self.macs, threads))
         if self.y_scale is not None:  # y_d = s_d sum_j p_j c_jd / l (a QuantizedArray V: Y is 4-D)
             y *= self.y_scale
         return _finish(y, self.out_dtype)

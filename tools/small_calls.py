@@ -6,8 +6,8 @@ Python thread, and the pool's launch; the idle CPU the workers burn.
     python tools/small_calls.py --calls 400 --only threads
 
 Each figure is the median of single calls' times; the compared settings
-alternate call by call (a slow spell of a shared machine falls on all
-alike).  "after a gap": the caller spins ``--gap-ms`` in Python before each
+alternate (a slow spell of a shared machine falls on all alike): run by run
+(20 calls) back to back, call by call after a gap.  "after a gap": the caller spins ``--gap-ms`` in Python before each
 call (a model's other work between two attention calls).
 """
 
@@ -35,16 +35,22 @@ def spin(seconds):
         pass
 
 
-def interleaved(fns, calls, gap):
-    """Median seconds of single calls of each of ``fns``, alternating."""
+def interleaved(fns, calls, gap, run=20):
+    """Median seconds of single calls of each of ``fns``.  After a gap: each
+    call after ``gap`` seconds of spinning, the ``fns`` alternating call by
+    call.  Back to back (``gap`` 0): runs of ``run`` calls, the ``fns``
+    alternating run by run (the first call of a run not timed)."""
     times = [[] for _ in fns]
-    for _ in range(calls):
+    for _ in range(calls if gap else max(1, calls // run)):
         for fn, out in zip(fns, times):
             if gap:
                 spin(gap)
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
+            else:
+                fn()
+            for _ in range(1 if gap else run):
+                start = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
 
 

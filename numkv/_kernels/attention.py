@@ -123,7 +123,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "dd51feb592cf79b51f081b6415d6f7fc9daacb3ed4c31266f49314f6b9ae351f"
+HELPERS_SHA256 = "29fadd37ef3cb1c327325e8c1c701e87bd0a6075a21dab93b0748845b711cbe1"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "95c53d529efb3fb03bd9f5e43d30350c4657317650b52a45deb9f99fbe183e8c"
+HELPERS_SHA256 = "0b9f80a80d3e96538e18eb865e0af2b5129f41d2233f3fd5e3dec6e247737ab6"
 
 CHUNK = 1 << 16  # elements a work item
 

@@ -45,7 +45,7 @@ from .._runtime.protocol import pool_enter, pool_exit
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "73da399dbec7ef7e1db5657413cb3ef5902f4b11fd220049a6c2c07be2b6b40a"
+HELPERS_SHA256 = "fa76dc907763f39fa6f61c14f79a346f1ead94d986c709c089ca58487b9a763d"
 
 HEADER = 10
 

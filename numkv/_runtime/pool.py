@@ -31,9 +31,11 @@ runs it, so results never depend on the thread count.
 import ctypes
 import os
 import threading
+import time
 
 from . import thread_count
-from .control import CALLER, CLAIMED, FAIL_INFO, FAIL_STATUS, MAX_THREADS, N_ITEMS, RELEASE, SEQ, THREADS, new_ctrl
+from .control import (CALLER, CLAIMED, FAIL_INFO, FAIL_STATUS, MAX_THREADS, N_ITEMS, RELEASE, SEQ, THREADS,
+                      new_ctrl)
 
 MAX_WORKERS = MAX_THREADS - 1
 SPIN_US = 100  # how long a worker whose jobs come close together spins for the next
@@ -53,14 +55,18 @@ class _Pool:
         self.lock = threading.Lock()
         self.ctrl = None
         self.workers = 0
+        self.last_end = 0.0  # when the last call ended (``hot``)
+        self.spin_s = _spin_us() * 1e-6
 
     def control(self, workers):
         """``ctrl`` with at least ``workers`` workers running on it."""
         if self.ctrl is None:
             self.ctrl = _new_ctrl()
-        while self.workers < workers:
-            from .protocol import resident_loop
+        if self.workers < workers:  # compiled (or loaded) here, not first thing in a new thread: a compile
+            from .protocol import compile_resident_loop  # notice sees it, and the workers start at once
 
+            resident_loop = compile_resident_loop(self.ctrl)
+        while self.workers < workers:
             self.workers += 1
             threading.Thread(target=resident_loop, args=(self.ctrl, self.workers, int(self.ctrl[SEQ])),
                              daemon=True, name=f"numkv-{self.workers}").start()
@@ -83,6 +89,14 @@ ALONE = (new_ctrl(), CALLER)
 os.register_at_fork(after_in_child=_pool.forget)
 
 
+def hot():
+    """Whether calls come back to back: the last one ended within the
+    workers' spin (``SPIN_US``), so that a share handed out now finds its
+    worker awake (or woken once for a run of such calls), where after a
+    longer gap it waits tens of microseconds for the worker to wake."""
+    return time.perf_counter() - _pool.last_end < _pool.spin_s
+
+
 def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, release_gil=False):
     """``kernel(first, stop, *args, ctrl, role)`` over the items ``[0,
     n_items)``, split into contiguous shares over numkv's threads, or,
@@ -95,6 +109,7 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, rel
     threads = 1 if small else min(thread_count._threads, n_items, max_threads or MAX_THREADS, MAX_THREADS)
     if threads <= 1 and not release_gil:
         kernel(0, n_items, *args, *ALONE)
+        _pool.last_end = time.perf_counter()
         return
     locked = _pool.lock.acquire(blocking=False)
     try:
@@ -118,6 +133,7 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, rel
     finally:
         if locked:
             _pool.lock.release()
+        _pool.last_end = time.perf_counter()
 
 
 class _ExceptionInfo(ctypes.Structure):

@@ -454,6 +454,14 @@ def resident_loop(ctrl, index, last):
         finished = _now()
 
 
+def compile_resident_loop(ctrl):
+    """``resident_loop``, compiled for ``ctrl`` (before a worker enters it)."""
+    from numba import typeof
+
+    resident_loop.compile((typeof(ctrl), types.int64, types.int64))
+    return resident_loop
+
+
 @jit()
 def join_after_error(ctrl):
     """After the caller's share raised (it never reached ``pool_exit``):
