@@ -272,11 +272,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """
     if dropout:
         raise ValueError(f"dropout = {dropout}: numkv's attention has no dropout (call model.eval())")
-    for name in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"numkv's attention does not take {name} (attention sinks / biases)")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("numkv's attention does not take position_bias (attention biases)")
     q = as_numpy(query, "query")
     args = {"scale": scaling, "softcap": 0.0 if softcap is None else softcap}
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:  # gpt-oss' attention sinks: numkv's ``sinks``
+        args["sinks"] = sink_array(sinks)
     layer = getattr(key, "_numkv_layer", None)
     if layer is not None and not layer.holds(key) and layer.quantised:
         raise ValueError("key is a stale view of a quantised KVCache layer (the cache changed since)")
@@ -294,6 +298,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         out = _NoBackward.apply(out, query, key, value)
     return out, None
+
+
+def sink_array(sinks: torch.Tensor) -> np.ndarray:
+    """A model's sinks (``s_aux``: one logit per query head, a parameter of
+    the model's dtype) as the float64 array ``numkv.attention`` takes (and
+    keys its kept plans on): a copy of a few numbers per layer and call."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"s_aux must be a torch.Tensor, got {type(sinks).__name__}")
+    return sinks.detach().to(torch.float64).numpy()
 
 
 def _mask_array(mask, name="attention_mask"):

@@ -22,6 +22,7 @@ from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     Gemma2Config,
+    GptOssConfig,
     LlamaConfig,
     Qwen2Config,
     StaticCache,
@@ -44,7 +45,13 @@ CONFIGS = {
     # sliding, full, sliding; softcapping at 1
     "gemma2-softcap": lambda: Gemma2Config(num_hidden_layers=3, head_dim=8, sliding_window=4,
                                            attn_logit_softcapping=1.0, query_pre_attn_scalar=8, **SMALL),
+    # attention sinks (s_aux); sliding, full, sliding; a tiny mixture of experts
+    "gptoss-sinks": lambda: GptOssConfig(num_hidden_layers=3, head_dim=8, sliding_window=4, num_local_experts=4,
+                                         num_experts_per_tok=2, **SMALL),
 }
+# A model's sinks as trained ones are: of the order of the scores' log-sum (the
+# initialiser's ~0.1 would change the logits by less than TOL).
+SINK_SCALE = 2.0
 # Two prompts of 8 positions, the first left-padded by 3.
 IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18]])
 MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
@@ -62,6 +69,10 @@ def model(family, impl, dtype=torch.float32):
     if key not in _models:
         torch.manual_seed(0)
         m = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[family]()), attn_implementation=impl)
+        for layer in m.model.layers:
+            if hasattr(layer.self_attn, "sinks"):
+                with torch.no_grad():
+                    layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * SINK_SCALE)
         _models[key] = m.to(dtype).eval()
     m = _models[key]
     assert m.config._attn_implementation == impl
@@ -125,10 +136,14 @@ def test_generate_equals_eager(family, cache_kind, calls):
     ("qwen2-sliding", "window dropped"),
     ("gemma2-softcap", "softcap dropped"),
     ("gemma2-softcap", "window off by one"),
+    ("gptoss-sinks", "sinks dropped"),
 ])
 @pytest.mark.parametrize("cache_kind", ["dynamic", "kvcache"])
 def test_comparison_can_fail(family, wrong, cache_kind, monkeypatch):
-    if wrong == "padding ignored":
+    if wrong == "sinks dropped":
+        real = numkv.attention
+        monkeypatch.setattr(numkv, "attention", lambda *a, **k: real(*a, **{**k, "sinks": None}))
+    elif wrong == "padding ignored":
         monkeypatch.setattr(nt.MaskSpec, "key_rows", lambda self, keys: None)
     elif wrong == "window off by one":
         monkeypatch.setattr(nt, "left_window", lambda window: window)

@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "1fea291375e4a041ac2352cb1589c1f87b839df36d38cf16f8cf36bbe56da965"
+HELPERS_SHA256 = "4e8df766b90495249d2c51207bd16fa2ebb86be8bd981b6a5a6f01127f0ac4c9"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -277,8 +277,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 if _count_done(chunks_done, item) < n_ch - 1:  # other chunks of the item are still running
                     continue
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
-            failures += _run(loops[acc_code, FINISH], (y, ints, desc, acc, l, bad, part_m, part_l, part_acc, b, hk,
-                                                       qt_index, rows, item * n_ch, chunks))
+            failures += _run(loops[acc_code, FINISH], (y, ints, desc, floats, acc, m, l, bad, part_m, part_l, part_acc,
+                                                       b, hk, qt_index, rows, item * n_ch, chunks))
     if role == 0:
         _join_workers(flags, call, claiming)
     if failures:
