@@ -302,9 +302,16 @@ class AttentionCall:
     out_dtype: np.dtype
     three_d: bool
     sinks: np.ndarray = None  # (Hq,) float64, or None
+    # Paged keys (``numkv.paged_attention``, B = 1, no past): K and V are the
+    # page pool ``(pages, Hkv, page_size, D)``, key ``t`` in row ``t %
+    # page_size`` of page ``pages[t // page_size]``; ``keys`` of them.
+    pages: np.ndarray = None
+    keys: int = 0
 
     @property
     def total(self):
+        if self.pages is not None:
+            return self.keys
         return self.past_k.shape[2] + self.k.shape[2]
 
     def new_output(self):
@@ -380,6 +387,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
                    gemm_rows=gemm_rows)
+    if call.pages is not None:  # the page size and each block of keys' page (``kernels.PAGE_SIZE``)
+        ints = np.concatenate([ints, [call.k.shape[2]], call.pages])
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
