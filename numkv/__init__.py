@@ -8,6 +8,7 @@ compile on their first call.
 
 from ._runtime import threadpoolctl_hook  # noqa: F401 - threadpoolctl's threadpool_limits() caps numkv too
 from ._attention import attention
+from ._varlen import paged_attention, varlen_attention
 from ._scatter import tensor_scatter
 from ._quantize import QuantizedArray, quantize
 from ._version import __version__
@@ -16,6 +17,6 @@ from .cache import DynamicKVCache, StaticKVCache
 from .layers import CachedSelfAttention
 
 __all__ = [
-    "attention", "tensor_scatter", "quantize", "QuantizedArray", "DynamicKVCache", "StaticKVCache", "CachedSelfAttention",
+    "attention", "varlen_attention", "paged_attention", "tensor_scatter", "quantize", "QuantizedArray", "DynamicKVCache", "StaticKVCache", "CachedSelfAttention",
     "set_num_threads", "get_num_threads", "__version__",
 ]

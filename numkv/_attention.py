@@ -123,7 +123,8 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
               nonpad_kv_seqlen: ArrayLike | None = None, *, scale: float | None = None,
               is_causal: bool = False, q_num_heads: int | None = None, kv_num_heads: int | None = None,
               softcap: float = 0.0, softmax_precision: int | None = None, left_window_size: int = -1,
-              right_window_size: int = -1, qk_precision: str | None = None) -> np.ndarray:
+              right_window_size: int = -1, sinks: ArrayLike | None = None,
+              qk_precision: str | None = None) -> np.ndarray:
     """Scaled dot-product attention as the ONNX ``Attention`` op; returns ``Y``.
 
     ``softmax(Q K^T * scale + bias) V`` with MHA, GQA and MQA (query head
@@ -179,6 +180,12 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
     left_window_size, right_window_size : int
         Keys more than this many positions before / after a query's
         absolute position (``i + offset``) are excluded; -1: unbounded.
+    sinks : array, shape ``(Hq,)``, optional
+        numkv's extension (gpt-oss, transformers' ``s_aux``): a logit per
+        query head that takes part in its softmax as a key with no value,
+        ``Y = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m))``.
+        Real numbers, finite or -inf (no sink); a query that attends no key
+        still gets a zero row.
     qk_precision : None or "int8"
         None (default): ``Q K^T`` in the accumulation dtype, exact.
         ``"int8"``, only with a quantised K (and past): each query row is
@@ -220,14 +227,14 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
         y = attention(q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, scale=scale,
                       is_causal=is_causal, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, softcap=softcap,
                       softmax_precision=softmax_precision, left_window_size=left_window_size,
-                      right_window_size=right_window_size)
+                      right_window_size=right_window_size, sinks=sinks)
         dtype = as_array(Q, "Q").dtype
         return y if is_float8_dtype(dtype) or y.dtype == dtype else y.astype(dtype)
     key = None
     if attn_mask is None and past_key is None and past_value is None and nonpad_kv_seqlen is None \
             and not _config.REFERENCE:
         key = _signature(Q, K, V, (scale, is_causal, q_num_heads, kv_num_heads, softcap,
-                                   softmax_precision, left_window_size, right_window_size))
+                                   softmax_precision, left_window_size, right_window_size), sinks)
         plan = _plans.get(key) if key is not None else None
         if plan is not None:  # the same shapes, dtypes and attributes as a call before
             return plan.run_qkv(Q, K, V)
@@ -235,7 +242,7 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
                    scale=scale, is_causal=is_causal, q_num_heads=q_num_heads,
                    kv_num_heads=kv_num_heads, softcap=softcap,
                    softmax_precision=softmax_precision,
-                   left_window_size=left_window_size, right_window_size=right_window_size)
+                   left_window_size=left_window_size, right_window_size=right_window_size, sinks=sinks)
     if _config.REFERENCE:
         from ._reference import attention_reference
 
@@ -288,10 +295,15 @@ _plans = {}
 _PLAIN = frozenset([type(None), bool, int, float, np.bool_, np.int32, np.int64, np.float32, np.float64])
 
 
-def _signature(Q, K, V, attributes):
+def _signature(Q, K, V, attributes, sinks=None):
     """The key of a call's plan, or None where the call cannot take one.
     The attributes' types are part of it: ``True == 1`` and ``1 == 1.0``,
-    but a bool scale must still fail its check."""
+    but a bool scale must still fail its check.  ``sinks`` are part of it
+    by value (a plain float64 ndarray only: its bytes; anything else takes no plan)."""
+    if sinks is not None:
+        if type(sinks) is not np.ndarray or sinks.dtype != _FLOAT64 or sinks.ndim != 1:
+            return None
+        sinks = sinks.tobytes()
     for x in (Q, K, V):
         if type(x) is not np.ndarray:
             return None
@@ -301,7 +313,7 @@ def _signature(Q, K, V, attributes):
     types_ = tuple(map(type, attributes))
     if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
-    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_,
+    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_, sinks,
             SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS, CLAIM_ITEMS)
 
 
@@ -337,9 +349,17 @@ class AttentionCall:
     acc_dtype: np.dtype
     out_dtype: np.dtype
     three_d: bool
+    sinks: np.ndarray = None  # (Hq,) float64, or None
+    # Paged keys (``numkv.paged_attention``, B = 1, no past): K and V are the
+    # page pool ``(pages, Hkv, page_size, D)``, key ``t`` in row ``t %
+    # page_size`` of page ``pages[t // page_size]``; ``keys`` of them.
+    pages: np.ndarray = None
+    keys: int = 0
 
     @property
     def total(self):
+        if self.pages is not None:
+            return self.keys
         return self.past_k.shape[2] + self.k.shape[2]
 
     def new_output(self):
@@ -415,6 +435,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
                    gemm_rows=gemm_rows)
+    if call.pages is not None:  # the page size and each block of keys' page (``kernels.PAGE_SIZE``)
+        ints = np.concatenate([ints, [call.k.shape[2]], call.pages])
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
@@ -448,7 +470,9 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
     loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm)
     with np.errstate(over="ignore"):  # a scale's root beyond the dtype's range is inf, as in the reference
-        floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap], call.acc_dtype)
+        # (sinks after the FLOAT_FIELDS: ``softmax.SINKS``)
+        floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap,
+                           *(() if call.sinks is None else call.sinks)], call.acc_dtype)
     plan = _Plan(
         ints=ints,
         desc=desc,
@@ -608,7 +632,7 @@ def _kv_chunk(n_items, total, block_k, target):
 
 def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
             *, scale=None, is_causal=False, q_num_heads=None, kv_num_heads=None,
-            softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1):
+            softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1, sinks=None):
     """Check every argument and express the call as an ``AttentionCall``."""
     Q, K, V = (_float_input(x, name) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
     if not Q.ndim == K.ndim == V.ndim or Q.ndim not in (3, 4):
@@ -656,6 +680,7 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
         scale = 1.0 / math.sqrt(d)
     else:
         scale = as_float(scale, "scale")
+    sinks = sink_logits(sinks, hq)
 
     if nonpad_kv_seqlen is not None:
         if past_key is not None:
@@ -676,7 +701,25 @@ def prepare(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_s
 
     out_dtype = _FLOAT32 if is_float8_dtype(Q.dtype) else Q.dtype
     return AttentionCall(q, k, v, past_k, past_v, mask, offset, valid, scale, softcap,
-                         is_causal, left, right, acc_dtype, out_dtype, three_d)
+                         is_causal, left, right, acc_dtype, out_dtype, three_d, sinks)
+
+
+def sink_logits(sinks, q_heads):
+    """``sinks`` as a float64 ``(q_heads,)`` array (a copy: it is small), or
+    None.  Any real dtype; NaN or +inf is a ``ValueError`` (a +inf sink
+    would take every weight, a NaN make every row NaN: neither is a logit a
+    model learns), -inf means no sink."""
+    if sinks is None:
+        return None
+    arr = as_array(sinks, "sinks")
+    if arr.dtype.kind not in "fiu" and not is_attention_dtype(arr.dtype) or arr.dtype == np.bool_:
+        raise TypeError(f"sinks has dtype {arr.dtype}; it must hold real numbers (one logit per query head)")
+    if arr.shape != (q_heads,):
+        raise ValueError(f"sinks must have shape (q_num_heads,) = ({q_heads},), got {arr.shape}")
+    values = arr.astype(np.float64)
+    if np.isnan(values).any() or np.isposinf(values).any():
+        raise ValueError(f"sinks must be finite or -inf, got {values[np.isnan(values) | np.isposinf(values)][0]}")
+    return values
 
 
 def _accumulation_dtype(q_dtype, softmax_precision, softcap):

@@ -16,7 +16,7 @@ def attention_reference(call):
 
     ``scores`` are ``Q K^T * scale`` after the softcap (ONNX applies the
     softcap before the mask); ``probabilities`` have zero rows where every key
-    is masked.  Y is in the layout of ``call.new_output()``; the others are
+    is masked (and, with ``sinks``, sum to less than 1: the sink's share).  Y is in the layout of ``call.new_output()``; the others are
     ``(B, Hq, Sq, T)``, all in the accumulation dtype.
     """
     acc = call.acc_dtype
@@ -49,9 +49,16 @@ def attention_reference(call):
     masked_rows = np.isneginf(bias.max(axis=-1, keepdims=True)) if total else np.ones(
         bias.shape[:3] + (1,), bool)
     row_max = np.where(masked_rows, 0, attended.max(axis=-1, keepdims=True) if total else 0)
+    sink = None
+    if call.sinks is not None:  # one more logit per head in the denominator (API.md's formula)
+        sink = call.sinks.astype(acc).reshape(1, hq, 1, 1)
+        with np.errstate(invalid="ignore"):
+            row_max = np.where(masked_rows, 0, np.maximum(row_max, sink))
     with np.errstate(invalid="ignore", over="ignore"):
         e = np.exp(attended - row_max)
         denom = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(sink - row_max)
         probs = np.where(masked_rows, acc.type(0), e / np.where(denom == 0, 1, denom))
 
     attends = ~excluded  # (B, Hq, Sq, T), or (B, 1, Sq, T) without a mask

@@ -59,7 +59,7 @@ import numkv as _numkv
 
 from .cache import QUANTIZED_DTYPES, StaticKVCache
 
-__all__ = ["KVCache", "MaskSpec", "attention_forward", "numkv_mask", "register"]
+__all__ = ["KVCache", "MaskSpec", "attention_forward", "continuous_batching", "numkv_mask", "register"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 # The cache formats KVCache takes: float formats store the model's keys as
@@ -272,11 +272,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """
     if dropout:
         raise ValueError(f"dropout = {dropout}: numkv's attention has no dropout (call model.eval())")
-    for name in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"numkv's attention does not take {name} (attention sinks / biases)")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("numkv's attention does not take position_bias (attention biases)")
     q = as_numpy(query, "query")
     args = {"scale": scaling, "softcap": 0.0 if softcap is None else softcap}
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:  # gpt-oss' attention sinks: numkv's ``sinks``
+        args["sinks"] = sink_array(sinks)
+    if isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor) and isinstance(kwargs.get("cu_seq_lens_k"), torch.Tensor):
+        return _packed_forward(module, q, key, value, query, attention_mask, is_causal, args, kwargs)
     layer = getattr(key, "_numkv_layer", None)
     if layer is not None and not layer.holds(key) and layer.quantised:
         raise ValueError("key is a stale view of a quantised KVCache layer (the cache changed since)")
@@ -294,6 +300,48 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         out = _NoBackward.apply(out, query, key, value)
     return out, None
+
+
+def _packed_forward(module, q, key, value, query, attention_mask, is_causal, args, kwargs):
+    """transformers' continuous batching (``generate_batch``): the sequences
+    of a batch packed along one axis, ``query (1, Hq, Tq, D)``, ``key`` /
+    ``value (1, Hkv, Tk, D)`` (the paged cache's keys of each sequence, read
+    out in order) and ``cu_seq_lens_q`` / ``cu_seq_lens_k``, no mask (as for
+    flash attention): ``numkv.varlen_attention``, causal bottom-right, the
+    layer's ``sliding_window`` as flash attention reads it.  Rows past
+    ``cu_seq_lens_q[-1]`` (padding, where transformers pads the batch) are
+    zeros."""
+    if attention_mask is not None:
+        raise ValueError("a packed batch (cu_seq_lens_q) comes with no attention_mask: numkv's attention "
+                         "reads the sequences' bounds from cu_seq_lens_q / cu_seq_lens_k")
+    if q.shape[0] != 1:
+        raise ValueError(f"a packed batch (cu_seq_lens_q) has batch size 1, got query {tuple(q.shape)}")
+    cu_q = as_numpy(kwargs["cu_seq_lens_q"], "cu_seq_lens_q")
+    cu_k = as_numpy(kwargs["cu_seq_lens_k"], "cu_seq_lens_k")
+    k, v = as_numpy(key, "key"), as_numpy(value, "value")
+    n_q, n_k = int(cu_q[-1]), int(cu_k[-1])
+    window = kwargs.get("sliding_window")
+    if window is not None and window > 0:
+        args["left_window_size"] = left_window(int(window))
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    packed = (x[0].transpose(1, 0, 2) for x in (q, k, v))  # (T, H, D) views
+    q3, k3, v3 = packed
+    y = _numkv.varlen_attention(q3[:n_q], k3[:n_k], v3[:n_k], cu_q, cu_k, is_causal=bool(causal), **args)
+    if n_q < q3.shape[0]:
+        y = np.concatenate([y, np.zeros((q3.shape[0] - n_q,) + y.shape[1:], y.dtype)])
+    out = as_tensor(y)[None]  # (1, Tq, Hq, Dv)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        out = _NoBackward.apply(out, query, key, value)
+    return out, None
+
+
+def sink_array(sinks: torch.Tensor) -> np.ndarray:
+    """A model's sinks (``s_aux``: one logit per query head, a parameter of
+    the model's dtype) as the float64 array ``numkv.attention`` takes (and
+    keys its kept plans on): a copy of a few numbers per layer and call."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"s_aux must be a torch.Tensor, got {type(sinks).__name__}")
+    return sinks.detach().to(torch.float64).numpy()
 
 
 def _mask_array(mask, name="attention_mask"):
@@ -358,18 +406,55 @@ def _cached_mask(mask, sq, keys, inputs, args):
 
 def register(name: str = "numkv") -> str:
     """Register numkv's attention function and mask function with
-    transformers under ``name``; returns ``name``.
+    transformers under ``name`` (and ``name + "_flash"``, for continuous
+    batching); returns ``name``.
 
     Then ``AutoModelForCausalLM.from_config(config, attn_implementation=name)``
     (or ``from_pretrained``) runs every attention layer on ``numkv.attention``.
+
+    Continuous batching (``model.generate_batch``, ``init_continuous_batching``):
+    transformers 5.24 runs it for ``"sdpa"``, ``"paged|eager"`` and any
+    implementation whose name contains ``"flash"``
+    (``ContinuousBatchingManager.switch_to_cb_friendly_attn``,
+    ``utils.generic.is_flash_attention_requested``); to a "flash" one it hands
+    the batch's sequences packed along one axis with ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` and no mask, which numkv's function runs on
+    ``numkv.varlen_attention`` (each sequence attends its own keys: no
+    ``(Tq, Tk)`` mask).  A model cannot be *loaded* under a "flash" name
+    (transformers then looks for a flash-attention package or hub kernel),
+    so load it under ``name`` and switch its config before ``generate_batch``:
+    ``numkv.transformers.continuous_batching(model)`` (which sets
+    ``model.config._attn_implementation = name + "_flash"``).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     if not name or name in ("eager", "sdpa") or name.startswith(("flash_attention", "flex_attention", "paged")):
         raise ValueError(f"name {name!r} is empty or one of transformers' own implementations")
-    AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, numkv_mask)
-    _REGISTERED.add(name)
+    for registered in (name, name + CONTINUOUS_BATCHING_SUFFIX):
+        AttentionInterface.register(registered, attention_forward)
+        AttentionMaskInterface.register(registered, numkv_mask)
+        _REGISTERED.add(registered)
+    return name
+
+
+# What makes transformers' continuous batching take an implementation: "flash" in its name.
+CONTINUOUS_BATCHING_SUFFIX = "_flash"
+
+
+def continuous_batching(model) -> str:
+    """Let ``model`` (loaded with numkv's implementation, ``register()``'s
+    name) run transformers' continuous batching (``model.generate_batch``)
+    on numkv: its config's attention implementation becomes the name
+    ``register()`` gave with ``"_flash"`` appended, which transformers
+    accepts for continuous batching (see ``register``); returns that name.
+    Plain ``generate`` and forward calls keep working under it (the same
+    functions are registered)."""
+    current = model.config._attn_implementation
+    if current not in _REGISTERED:
+        raise ValueError(f"the model's attention implementation is {current!r}, not one numkv registered "
+                         f"({sorted(_REGISTERED)}): load it with attn_implementation=numkv.transformers.register()")
+    name = current if current.endswith(CONTINUOUS_BATCHING_SUFFIX) else current + CONTINUOUS_BATCHING_SUFFIX
+    model.config._attn_implementation = name  # (the config's setter: no flash package is looked for)
     return name
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
               *, scale=None, is_causal=False, softcap=0.0, left_window_size=-1,
-              right_window_size=-1):
+              right_window_size=-1, sinks=None):
     """Y of ONNX Attention for 4-D inputs ``(batch, heads, seq, head_size)``, in float64.
 
     * GQA / MQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``.
@@ -26,6 +26,8 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv
       dimension are masked.
     * score = ``scale * q.k``, then softcap ``c * tanh(score / c)``, then the mask.
     * a query row with no visible key is a row of zeros.
+    * ``sinks[h]``: one more logit in head ``h``'s softmax, with no value
+      (``exp(sink - top)`` added to the denominator).
     """
     Q, K, V = (np.asarray(x, np.float64) for x in (Q, K, V))
     B, Hq, Sq, D = Q.shape
@@ -89,7 +91,11 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv
                 if not scores:
                     continue  # fully masked: a zero row
                 top = max(scores)
+                if sinks is not None:
+                    top = max(top, float(sinks[h]))
                 weights = [math.exp(s - top) for s in scores]
                 total = sum(weights)
+                if sinks is not None:
+                    total += math.exp(float(sinks[h]) - top)
                 Y[b, h, i] = sum(w * v for w, v in zip(weights, values)) / total
     return Y

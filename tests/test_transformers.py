@@ -22,6 +22,7 @@ from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     Gemma2Config,
+    GptOssConfig,
     LlamaConfig,
     Qwen2Config,
     StaticCache,
@@ -44,7 +45,13 @@ CONFIGS = {
     # sliding, full, sliding; softcapping at 1
     "gemma2-softcap": lambda: Gemma2Config(num_hidden_layers=3, head_dim=8, sliding_window=4,
                                            attn_logit_softcapping=1.0, query_pre_attn_scalar=8, **SMALL),
+    # attention sinks (s_aux); sliding, full, sliding; a tiny mixture of experts
+    "gptoss-sinks": lambda: GptOssConfig(num_hidden_layers=3, head_dim=8, sliding_window=4, num_local_experts=4,
+                                         num_experts_per_tok=2, **SMALL),
 }
+# A model's sinks as trained ones are: of the order of the scores' log-sum (the
+# initialiser's ~0.1 would change the logits by less than TOL).
+SINK_SCALE = 2.0
 # Two prompts of 8 positions, the first left-padded by 3.
 IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18]])
 MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
@@ -62,6 +69,10 @@ def model(family, impl, dtype=torch.float32):
     if key not in _models:
         torch.manual_seed(0)
         m = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[family]()), attn_implementation=impl)
+        for layer in m.model.layers:
+            if hasattr(layer.self_attn, "sinks"):
+                with torch.no_grad():
+                    layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * SINK_SCALE)
         _models[key] = m.to(dtype).eval()
     m = _models[key]
     assert m.config._attn_implementation == impl
@@ -125,10 +136,14 @@ def test_generate_equals_eager(family, cache_kind, calls):
     ("qwen2-sliding", "window dropped"),
     ("gemma2-softcap", "softcap dropped"),
     ("gemma2-softcap", "window off by one"),
+    ("gptoss-sinks", "sinks dropped"),
 ])
 @pytest.mark.parametrize("cache_kind", ["dynamic", "kvcache"])
 def test_comparison_can_fail(family, wrong, cache_kind, monkeypatch):
-    if wrong == "padding ignored":
+    if wrong == "sinks dropped":
+        real = numkv.attention
+        monkeypatch.setattr(numkv, "attention", lambda *a, **k: real(*a, **{**k, "sinks": None}))
+    elif wrong == "padding ignored":
         monkeypatch.setattr(nt.MaskSpec, "key_rows", lambda self, keys: None)
     elif wrong == "window off by one":
         monkeypatch.setattr(nt, "left_window", lambda window: window)
@@ -555,3 +570,93 @@ def test_a_float_kvcache_of_another_dtype_tells_eager_what_to_do():
     m = model("llama-gqa", NAME, torch.bfloat16)
     with torch.no_grad():
         m(input_ids=IDS, attention_mask=MASK, past_key_values=nt.KVCache(m.config, 2, 32))
+
+
+# --------------------------------------------------------------------------
+# continuous batching: model.generate_batch (transformers' paged cache)
+
+
+def _cb_model(family, impl):
+    """A fresh model (generate_batch switches implementations on the model it runs)."""
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[family]()), attn_implementation=impl).eval()
+    for layer in m.model.layers:
+        if hasattr(layer.self_attn, "sinks"):
+            with torch.no_grad():
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * SINK_SCALE)
+    return m
+
+
+def _generate_batch(m, prompts, new=6):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():
+        out = m.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+# Prompt mixes: lengths on both sides of the sliding window (4), one-token prompts, and a
+# mix other than the one the implementation was tried on.
+PROMPT_MIXES = {"mix-a": (5, 9, 1, 13), "mix-b": (17, 2, 6, 3, 11)}
+# The reference: sdpa's generate_batch; gpt-oss has no sdpa, eager's (transformers' paged|eager) then.
+CB_REFERENCE = {"llama-gqa": "sdpa", "qwen2-sliding": "sdpa", "gptoss-sinks": "eager"}
+
+
+def _prompts(mix):
+    g = torch.Generator().manual_seed(sum(PROMPT_MIXES[mix]))
+    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in PROMPT_MIXES[mix]]
+
+
+_cb_reference = {}
+
+
+def _reference_tokens(family, mix):
+    if (family, mix) not in _cb_reference:
+        _cb_reference[family, mix] = _generate_batch(_cb_model(family, CB_REFERENCE[family]), _prompts(mix))
+    return _cb_reference[family, mix]
+
+
+@pytest.mark.parametrize("mix", list(PROMPT_MIXES))
+@pytest.mark.parametrize("family", list(CB_REFERENCE))
+def test_generate_batch_equals_sdpa(family, mix, monkeypatch):
+    seen = []
+    real = numkv.varlen_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numkv, "varlen_attention", spy)
+    m = _cb_model(family, NAME)
+    assert nt.continuous_batching(m) == NAME + "_flash"
+    assert _generate_batch(m, _prompts(mix)) == _reference_tokens(family, mix)
+    assert seen  # every layer of every step on varlen_attention
+    assert all(k["is_causal"] for k in seen)
+    assert any("sinks" in k for k in seen) == (family == "gptoss-sinks")
+
+
+@pytest.mark.parametrize("family, wrong", [
+    ("llama-gqa", "one sequence"), ("qwen2-sliding", "window dropped"), ("gptoss-sinks", "sinks dropped"),
+])
+def test_generate_batch_comparison_can_fail(family, wrong, monkeypatch):
+    real = numkv.varlen_attention
+
+    def wrong_varlen(q, k, v, cu_q, cu_k, **kwargs):
+        if wrong == "one sequence":  # the packed batch attended as one sequence (what a dense causal mask would be)
+            cu_q, cu_k = np.array([0, cu_q[-1]]), np.array([0, cu_k[-1]])
+        elif wrong == "window dropped":
+            kwargs.pop("left_window_size", None)
+        else:
+            kwargs.pop("sinks", None)
+        return real(q, k, v, cu_q, cu_k, **kwargs)
+
+    monkeypatch.setattr(numkv, "varlen_attention", wrong_varlen)
+    m = _cb_model(family, NAME)
+    nt.continuous_batching(m)
+    assert any(_generate_batch(m, _prompts(mix)) != _reference_tokens(family, mix) for mix in PROMPT_MIXES)
+
+
+def test_continuous_batching_refuses_a_model_not_on_numkv():
+    with pytest.raises(ValueError, match="not one numkv registered"):
+        nt.continuous_batching(_cb_model("llama-gqa", "sdpa"))

@@ -121,6 +121,38 @@ def launch_table(calls, gap_ms, threads):
     numkv.set_num_threads(None)
 
 
+def torch_table(calls, threads):
+    """A torch matmul on every thread alternating with numkv decodes, in one
+    process: each one's median alone and alternating."""
+    import torch
+
+    print(f"\nbeside torch: a matmul on {threads} torch threads alternating with numkv decodes on {threads}")
+    torch.set_num_threads(threads)
+    numkv.set_num_threads(threads)
+    a = torch.randn(384, 384)
+    matmul = lambda: torch.mm(a, a)  # noqa: E731
+    decode = decode_call(32, 8, 128, 1024)
+    matmul(), decode()
+
+    def median_of(fn, between=None):
+        times = []
+        for _ in range(calls):
+            if between is not None:
+                between()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    alone_mm, alone_dec = median_of(matmul), median_of(decode)
+    mixed_mm, mixed_dec = median_of(matmul, decode), median_of(decode, matmul)
+    print(f"torch matmul: alone {alone_mm * 1e6:.1f} us, after a numkv decode {mixed_mm * 1e6:.1f} us "
+          f"({mixed_mm / alone_mm:.2f}x)")
+    print(f"numkv decode Skv=1024: alone {alone_dec * 1e6:.1f} us, after a torch matmul {mixed_dec * 1e6:.1f} us "
+          f"({mixed_dec / alone_dec:.2f}x)")
+    numkv.set_num_threads(None)
+
+
 def idle_table(threads):
     """CPU seconds the process burns per second of wall time: while idle
     after a burst of calls, and in a loop of calls with 1 ms gaps."""
@@ -152,7 +184,7 @@ def main():
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--gap-ms", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=numkv.get_num_threads())
-    parser.add_argument("--only", choices=("threads", "busy", "launch", "idle"))
+    parser.add_argument("--only", choices=("threads", "busy", "launch", "torch", "idle"))
     args = parser.parse_args()
     if args.only in (None, "threads"):
         threads_table(args.calls, args.gap_ms, args.threads)
@@ -160,6 +192,8 @@ def main():
         busy_table(min(args.calls, 500), args.threads)
     if args.only in (None, "launch"):
         launch_table(max(5000, args.calls), args.gap_ms, args.threads)
+    if args.only in (None, "torch"):
+        torch_table(min(args.calls, 1000), args.threads)
     if args.only in (None, "idle"):
         idle_table(args.threads)
 

@@ -97,7 +97,9 @@ file, so numba recompiles.
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
 -1), tiles >= 1, ``Hq % Hkv == 0``, the partial buffers hold ``n_items *
-n_chunks`` entries and ``chunks_done`` ``n_items`` zeros when split.
+n_chunks`` entries and ``chunks_done`` ``n_items`` zeros when split; paged
+keys (``ints`` past ``INT_FIELDS``): one batch row, no past, a page for every
+``page`` keys of ``T``, each a batch index of K and V.
 """
 
 import numpy as np
@@ -123,7 +125,13 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "29fadd37ef3cb1c327325e8c1c701e87bd0a6075a21dab93b0748845b711cbe1"
+# Past ``INT_FIELDS`` in ``ints`` (paged keys only): the page size, then the
+# page of keys ``p * page .. (p + 1) * page - 1`` at ``PAGES + p``: K and V's
+# batch index is then the page, their sequence index the row in it.
+PAGE_SIZE = len(INT_FIELDS)
+PAGES = PAGE_SIZE + 1
+
+HELPERS_SHA256 = "c578aac05e8b72d738017d4fc298084fb507865256b1f2519eeb792c4846eb39"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -155,6 +163,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
     q_scale, score_scale, softcap = floats[Q_SCALE], floats[SCORE_SCALE], floats[SOFTCAP]
     has_mask = ints[HAS_MASK] != 0
+    # Paged keys (``numkv.paged_attention``): ``ints`` goes on past ``INT_FIELDS``
+    # with the page size and the page of each ``page`` keys (one batch row).
+    paged = ints.size > PAGE_SIZE
+    page = ints[PAGE_SIZE] if paged else 1
     acc_code = _code_of(y)
     dt = y.dtype
     q_code, q_acc, q_step = desc[T_Q, DTYPE], _view(q, y), np.uint64(desc[T_Q, STRIDE_D])
@@ -228,11 +240,16 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 for seg in range(2):
                     seg_lo, seg_hi = (t_lo, _min(t_hi, past - 1)) if seg == 0 else (_max(t_lo, past), t_hi)
                     kb, vb, tk, tv, shift = (kp, vp, T_PAST_K, T_PAST_V, 0) if seg == 0 else (kn, vn, T_K, T_V, past)
-                    for j0 in range(seg_lo, seg_hi + 1, bk):
+                    j0 = seg_lo
+                    while j0 <= seg_hi:
                         n = _min(bk, seg_hi + 1 - j0)
+                        kv_b, kv_j = b, j0 - shift
+                        if paged:  # a tile stays in one page: key j is row j % page of its page
+                            n = _min(n, page - j0 % page)
+                            kv_b, kv_j = ints[PAGES + j0 // page], j0 % page
                         s = _as_rows(sbuf[:rows * n], n)
                         kr, ko, kld, kcode, k_in_place, failed = _kv_tile(
-                            kbuf, ktile, j0 - shift, n, d_k, b, hk, kb, desc, tk, table, formats, loops, acc_code)
+                            kbuf, ktile, kv_j, n, d_k, kv_b, hk, kb, desc, tk, table, formats, loops, acc_code)
                         # Some key of the tile is masked for some row: 1, or 2 where only
                         # keys past some rows' last (causal, valid lengths) are.
                         front, back = has_mask, False
@@ -250,7 +267,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                              desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
                              score_scale))
                         vr, vo, vld, vcode, v_in_place, failed = _kv_tile(
-                            vbuf, vtile, j0 - shift, n, d_v, b, hk, vb, desc, tv, table, formats, loops, acc_code)
+                            vbuf, vtile, kv_j, n, d_v, kv_b, hk, vb, desc, tv, table, formats, loops, acc_code)
                         for r in range(rows):
                             a = alpha[r]
                             if a != 1.0:
@@ -262,6 +279,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                             loops[acc_code, GEMM_VALUES] if use_gemm else loops[vcode, VALUES],
                             (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, kt, hi, nq, j0, edge,
                              loops[acc_code, VALUES]))
+                        j0 += n
 
             chunks = 0  # unsplit: Y's rows from acc and l
             if split:
@@ -273,8 +291,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 if _count_done(chunks_done, item) < n_ch - 1:  # other chunks of the item are still running
                     continue
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
-            failures += _run(loops[acc_code, FINISH], (y, ints, desc, acc, l, bad, part_m, part_l, part_acc, b, hk,
-                                                       qt_index, rows, item * n_ch, chunks))
+            failures += _run(loops[acc_code, FINISH], (y, ints, desc, floats, acc, m, l, bad, part_m, part_l, part_acc,
+                                                       b, hk, qt_index, rows, item * n_ch, chunks))
     pool_exit(ctrl, role)
     if failures:
         raise RuntimeError(LOOP_FAILED)

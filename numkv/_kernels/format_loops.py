@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "1a48c8907a126f4d3186b6b15d0078b5afea5c73786f40c89d80d1af3247dc11"
+HELPERS_SHA256 = "35d25186b0856973bb998315ed8a5509ca6a2c07926854305c3d9d55a4b3f722"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -195,19 +195,22 @@ def _compile(acc, code, field):
     if field == FINISH:
         ints_ptr, flags_ptr, columns = types.CPointer(i64), types.CPointer(types.uint8), len(TENSOR_FIELDS)
 
-        @c_function(types.int64(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, flags_ptr,
-                                i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64, i64, i64, i64, i64))
-        def finish(y, y_size, ints, ints_size, desc, desc_size, acc, acc_size, l, l_size, bad, bad_size, part_m,
-                   part_m_size, part_l, part_l_size, part_acc, part_acc_size, b, hk, qt_index, rows, at, chunks):
+        @c_function(types.int64(rows_ptr, i64, ints_ptr, i64, ints_ptr, i64, rows_ptr, i64, rows_ptr, i64, rows_ptr,
+                                i64, rows_ptr, i64, flags_ptr, i64, rows_ptr, i64, rows_ptr, i64, rows_ptr, i64, i64, i64,
+                                i64, i64, i64, i64))
+        def finish(y, y_size, ints, ints_size, desc, desc_size, floats, floats_size, acc, acc_size, m, m_size, l,
+                   l_size, bad, bad_size, part_m, part_m_size, part_l, part_l_size, part_acc, part_acc_size, b, hk,
+                   qt_index, rows, at, chunks):
             _full_width_loops()
             layout = _array(ints, ints_size)
             d_v, rows_max = layout[V_HEAD_SIZE], layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
             tile, sums, nan = _as_rows(_array(acc, acc_size), d_v), _array(l, l_size), _array(bad, bad_size)
+            maxima = _array(m, m_size)
             if chunks:
                 _merge_chunks(_array(part_m, part_m_size), _array(part_l, part_l_size), _array(part_acc, part_acc_size),
-                              rows_max, at, chunks, rows, tile, sums, nan)
-            _write_rows(_array(y, y_size), layout, _as_rows(_array(desc, desc_size), columns), b, hk, qt_index, rows,
-                        tile, sums, nan)
+                              rows_max, at, chunks, rows, tile, maxima, sums, nan)
+            _write_rows(_array(y, y_size), layout, _as_rows(_array(desc, desc_size), columns), _array(floats, floats_size),
+                        b, hk, qt_index, rows, tile, maxima, sums, nan)
             return 1
         return finish
     fields = len(FORMAT_FIELDS)

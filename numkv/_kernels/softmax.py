@@ -19,7 +19,8 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
-from .layout import BASE, BLOCK_Q, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, T_Y, V_HEAD_SIZE
+from .layout import (BASE, BLOCK_Q, FLOAT_FIELDS, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, T_Y,
+                     V_HEAD_SIZE)
 from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximum, _min, _row_max, _row_sum
 
 # sha256 of the sources of the modules this one compiles into its kernels
@@ -28,6 +29,11 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
 HELPERS_SHA256 = "082abf1f39edbeb565a3b4c5e1112097faa7f0b44dc9367be6fbe8668f9cfd33"
+
+# ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
+# query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its
+# softmax's denominator (``_write_rows``).
+SINKS = len(FLOAT_FIELDS)
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
@@ -87,8 +93,8 @@ def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride
 
 
 @jit(inline=True)
-def _merge_chunks(part_m, part_l, part_acc, width, at, chunks, rows, acc, l, bad):
-    """``acc``, ``l`` and ``bad`` of the ``rows`` rows from the partial
+def _merge_chunks(part_m, part_l, part_acc, width, at, chunks, rows, acc, m, l, bad):
+    """``acc``, ``m``, ``l`` and ``bad`` of the ``rows`` rows from the partial
     softmaxes ``at .. at + chunks`` of a split key range, in chunk order --
     ``m = max m_c``, ``l = sum l_c e^(m_c - m)``, ``acc = sum acc_c e^(m_c -
     m)``; a chunk that saw a NaN (``m_c`` NaN) makes the row NaN.  Partial
@@ -107,6 +113,7 @@ def _merge_chunks(part_m, part_l, part_acc, width, at, chunks, rows, acc, l, bad
                 bad[r] = 1
             elif mc > m_all:
                 m_all = mc
+        m[r] = m_all
         if bad[r] or m_all == -np.inf:
             continue
         for c in range(chunks):
@@ -121,20 +128,34 @@ def _merge_chunks(part_m, part_l, part_acc, width, at, chunks, rows, acc, l, bad
 
 
 @jit(inline=True)
-def _write_rows(y, ints, desc, b, hk, qt_index, rows, acc, l, bad):
+def _write_rows(y, ints, desc, floats, b, hk, qt_index, rows, acc, m, l, bad):
     """``y = acc / l`` for the tile's rows: zeros where ``l == 0`` (nothing
     attended), NaN where a NaN or +inf entered an attended score: rows ``g *
     nq + i`` of query tile ``qt_index`` of kv head ``hk``, batch row ``b``,
-    in the output ``y`` that ``desc``'s row ``T_Y`` lays out."""
+    in the output ``y`` that ``desc``'s row ``T_Y`` lays out.
+
+    With sinks (``floats`` longer than ``SINKS``), head ``h``'s sink ``s`` is one more
+    term of the denominator, a key with no value: ``y = acc / (l + e^(s -
+    m))``, ``m`` the row's running max (``acc`` and ``l`` are relative to
+    it); where ``s > m``, relative to ``s`` so nothing overflows: ``y = acc
+    e^(m - s) / (l e^(m - s) + 1)``."""
     group = ints[Q_HEADS] // ints[KV_HEADS]
     nq = rows // group
     i0 = qt_index * ints[BLOCK_Q]
     d_v, step = ints[V_HEAD_SIZE], np.uint64(desc[T_Y, STRIDE_D])
+    sinks = floats.size > SINKS
     for r in range(rows):
         g, i = r // nq, r % nq
         at = np.uint64(desc[T_Y, BASE] + b * desc[T_Y, STRIDE_B] + (hk * group + g) * desc[T_Y, STRIDE_H]
                        + (i0 + i) * desc[T_Y, STRIDE_S])
         inv = np.nan if bad[r] else 0.0 if l[r] == 0.0 else 1.0 / l[r]
+        if sinks and not bad[r] and l[r] != 0.0:
+            sink = floats[SINKS + hk * group + g]
+            if sink <= m[r]:  # (a -inf sink: 1 / l, the bits of no sink)
+                inv = 1.0 / (l[r] + _exp(sink - m[r]))
+            else:
+                a = _exp(m[r] - sink)
+                inv = a / (l[r] * a + 1.0)
         for d in range(d_v):  # (LLVM vectorises it, checking step == 1 at run time)
             y[at + np.uint64(d) * step] = acc[r, d] * inv
 

@@ -1,0 +1,208 @@
+"""``numkv.varlen_attention`` and ``numkv.paged_attention``: each sequence's
+rows equal ``numkv.attention`` on that sequence alone (API.md), over random
+lengths 0..n, page sizes, block tables in any order, GQA, windows, softcap,
+sinks and K/V dtypes (float32, bfloat16, q8_0 and q4_0 pages); the float64
+loop on one case; the reference path; bad input."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import naive
+import numkv
+from numkv import _config
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+D = 32  # a block of q8_0 / q4_0
+
+
+def _pack(rng, lens_q, lens_k, hq, hkv, dtype=np.float32, dv=D):
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int64)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int64)
+    q = rng.standard_normal((cu_q[-1], hq, D)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], hkv, D)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], hkv, dv)).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def _paginate(rng, k, v, cu_k, block_size, spare=3):
+    """A page pool holding each sequence's keys, in pages of a random order,
+    and its block table (-1 past each sequence's last page; spare pages of
+    garbage in the pool)."""
+    n = len(cu_k) - 1
+    lens = np.diff(cu_k)
+    needed = -(-lens // block_size)
+    blocks = int(needed.sum()) + spare
+    order = rng.permutation(blocks)
+    pool_k = np.full((blocks, block_size) + k.shape[1:], np.nan, k.dtype)
+    pool_v = np.full((blocks, block_size) + v.shape[1:], np.nan, v.dtype)
+    table = np.full((n, int(needed.max(initial=0)) + 1), -1, np.int64)
+    c = 0
+    for i in range(n):
+        for p in range(needed[i]):
+            page = order[c]
+            c += 1
+            table[i, p] = page
+            start, stop = cu_k[i] + p * block_size, cu_k[i] + min(lens[i], (p + 1) * block_size)
+            pool_k[page, :stop - start] = k[start:stop]
+            pool_v[page, :stop - start] = v[start:stop]
+    return pool_k, pool_v, table
+
+
+def _alone(q, k, v, cu_q, cu_k, i, **attrs):
+    """``numkv.attention`` on sequence ``i`` alone, ``(sq, Hq, Dv)``."""
+    q4 = q[cu_q[i]:cu_q[i + 1]].transpose(1, 0, 2)[None]
+    k4 = k[cu_k[i]:cu_k[i + 1]].transpose(1, 0, 2)[None]
+    v4 = v[cu_k[i]:cu_k[i + 1]].transpose(1, 0, 2)[None]
+    y = numkv.attention(q4, k4, v4, nonpad_kv_seqlen=np.array([cu_k[i + 1] - cu_k[i]]), **attrs)
+    return y[0].transpose(1, 0, 2)
+
+
+HEADS = [(4, 2), (4, 1), (2, 2), (8, 2)]
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(0, 5))
+    lens_q = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    lens_k = draw(st.lists(st.integers(0, 24), min_size=n, max_size=n))
+    hq, hkv = draw(st.sampled_from(HEADS))
+    attrs = dict(is_causal=draw(st.booleans()), left_window_size=draw(st.integers(-1, 6)),
+                 right_window_size=draw(st.sampled_from([-1, -1, 0, 2])),
+                 softcap=draw(st.sampled_from([0.0, 0.0, 3.0])))
+    return lens_q, lens_k, hq, hkv, attrs, draw(st.booleans()), draw(st.integers(1, 9)), draw(st.integers(0, 2 ** 31))
+
+
+def _check_each_sequence(y, q, k, v, cu_q, cu_k, attrs, rtol=1e-5, atol=1e-6):
+    assert y.shape == (q.shape[0], q.shape[1], v.shape[2])
+    for i in range(len(cu_q) - 1):
+        if cu_q[i + 1] == cu_q[i]:
+            continue
+        want = _alone(q, k, v, cu_q, cu_k, i, **attrs)
+        np.testing.assert_allclose(np.asarray(y[cu_q[i]:cu_q[i + 1]], np.float64), np.asarray(want, np.float64),
+                                   rtol=rtol, atol=atol, err_msg=f"sequence {i}")
+
+
+@given(batches())
+def test_varlen_and_paged_equal_attention_on_each_sequence(batch):
+    lens_q, lens_k, hq, hkv, attrs, with_sinks, block_size, seed = batch
+    rng = np.random.default_rng(seed)
+    q, k, v, cu_q, cu_k = _pack(rng, lens_q, lens_k, hq, hkv)
+    if with_sinks:
+        attrs["sinks"] = rng.standard_normal(hq) * 2
+    y = numkv.varlen_attention(q, k, v, cu_q, cu_k, **attrs)
+    _check_each_sequence(y, q, k, v, cu_q, cu_k, attrs)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, block_size)
+    yp = numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q, **attrs)
+    _check_each_sequence(yp, q, k, v, cu_q, cu_k, attrs)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_paged_pages_of_every_format(fmt, block_size, rng):
+    lens_q, lens_k = [1, 7, 0, 1, 3], [40, 7, 3, 1, 300]
+    q, k, v, cu_q, cu_k = _pack(rng, lens_q, lens_k, 8, 2, BF16 if fmt == "bfloat16" else np.float32)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, block_size)
+    attrs = dict(is_causal=True, left_window_size=20, sinks=rng.standard_normal(8))
+    if fmt in ("q8_0", "q4_0"):
+        pool_k, pool_v = np.nan_to_num(pool_k), np.nan_to_num(pool_v)  # quantised garbage pages: zeros
+        pool_k, pool_v = numkv.quantize(pool_k, fmt), numkv.quantize(pool_v, fmt)
+        # what the pages hold, dequantised, packed back: the keys attention sees
+        k_deq, v_deq = (np.concatenate([p.dequantize()[table[i, :-(-lens_k[i] // block_size)]].reshape(-1, 2, D)
+                                        [:lens_k[i]] for i in range(5)]) for p in (pool_k, pool_v))
+        k, v = k_deq, v_deq
+    y = numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q, **attrs)
+    assert y.dtype == q.dtype
+    rtol = 2 ** -7 if fmt == "bfloat16" else 1e-5
+    _check_each_sequence(y, q, k, v, cu_q, cu_k, attrs, rtol=rtol, atol=rtol / 10)
+
+
+def test_varlen_equals_the_float64_loop(rng):
+    lens_q, lens_k = [3, 1, 4], [9, 30, 4]
+    q, k, v, cu_q, cu_k = _pack(rng, lens_q, lens_k, 4, 2)
+    sinks = rng.standard_normal(4)
+    y = numkv.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, left_window_size=5, sinks=sinks)
+    for i in range(3):
+        q4 = q[cu_q[i]:cu_q[i + 1]].transpose(1, 0, 2)[None]
+        k4 = k[cu_k[i]:cu_k[i + 1]].transpose(1, 0, 2)[None]
+        v4 = v[cu_k[i]:cu_k[i + 1]].transpose(1, 0, 2)[None]
+        # bottom-right: the last query attends every key
+        want = naive.attention(q4, k4, v4, nonpad_kv_seqlen=[lens_k[i]], is_causal=True, left_window_size=5,
+                               sinks=sinks)
+        np.testing.assert_allclose(y[cu_q[i]:cu_q[i + 1]], want[0].transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_reference_path(rng, monkeypatch):
+    q, k, v, cu_q, cu_k = _pack(rng, [2, 0, 3], [5, 4, 11], 4, 2)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, 3)
+    attrs = dict(is_causal=True, sinks=rng.standard_normal(4))
+    y = numkv.varlen_attention(q, k, v, cu_q, cu_k, **attrs)
+    yp = numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q, **attrs)
+    monkeypatch.setattr(_config, "REFERENCE", True)
+    np.testing.assert_allclose(numkv.varlen_attention(q, k, v, cu_q, cu_k, **attrs), y, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q, **attrs), yp,
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_a_page_not_in_the_table_is_never_read(rng):
+    """The pool's other pages hold NaN (``_paginate``): a wrong page or a
+    tile that crossed into the next page would make rows NaN."""
+    q, k, v, cu_q, cu_k = _pack(rng, [4, 1], [13, 50], 4, 2)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, 4, spare=10)
+    y = numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q)
+    assert np.isfinite(y).all()
+
+
+# --------------------------------------------------------------------------
+# bad input: a ValueError naming the argument, before any work
+
+
+def _paged_args(rng):
+    q, k, v, cu_q, cu_k = _pack(rng, [2, 1], [5, 9], 4, 2)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, 4)
+    return dict(Q=q, key_cache=pool_k, value_cache=pool_v, block_table=table, seq_lens=np.diff(cu_k),
+                cu_seqlens_q=cu_q)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a["block_table"].__setitem__((1, 0), 99), r"block_table\[1, 0\] = 99 is outside the pool"),
+    (lambda a: a["block_table"].__setitem__((0, 1), -1), r"block_table\[0, 1\] = -1 is outside the pool"),
+    (lambda a: a.__setitem__("block_table", a["block_table"][:, :2]), "block_table is too short: seq_lens"),
+    (lambda a: a.__setitem__("seq_lens", np.array([5, 9, 1])), r"seq_lens must have shape \(num_sequences,\)"),
+    (lambda a: a.__setitem__("seq_lens", np.array([5, -1])), r"seq_lens\[1\] = -1 is negative"),
+    (lambda a: a.__setitem__("cu_seqlens_q", np.array([0, 4, 3])), "cu_seqlens_q must be non-decreasing"),
+    (lambda a: a.__setitem__("cu_seqlens_q", np.array([0, 2, 4])), r"cu_seqlens_q\[-1\] = 4 does not match"),
+    (lambda a: a.__setitem__("cu_seqlens_q", np.array([1, 2, 3])), r"cu_seqlens_q\[0\] must be 0"),
+    (lambda a: a.__setitem__("cu_seqlens_q", np.array([0, 3])), r"cu_seqlens_q must have shape \(3,\)"),
+    (lambda a: a.__setitem__("value_cache", a["value_cache"][:, :2]), "key_cache has"),
+    (lambda a: a.__setitem__("sinks", np.zeros(3)), r"sinks must have shape \(q_num_heads,\) = \(4,\)"),
+], ids=["page-beyond-pool", "page-negative", "table-too-short", "seq-lens-shape", "seq-len-negative",
+        "cu-decreasing", "cu-total", "cu-start", "cu-length", "pools-differ", "sinks-shape"])
+def test_bad_paged_arguments(change, match, rng, monkeypatch):
+    args = _paged_args(rng)
+    change(args)
+    ran = []
+    monkeypatch.setattr(numkv._attention, "run", lambda *a, **k: ran.append(1))
+    with pytest.raises(ValueError, match=match):
+        numkv.paged_attention(**args)
+    assert not ran  # before any work
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.__setitem__(3, np.array([0, 4, 3])), "cu_seqlens_q must be non-decreasing"),
+    (lambda a: a.__setitem__(4, np.array([0, 5, 15])), r"cu_seqlens_k\[-1\] = 15 does not match K's total_k 14"),
+    (lambda a: a.__setitem__(4, np.array([0, 14])), "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
+    (lambda a: a.__setitem__(2, a[2][:5]), "K has 14 rows but V has 5"),
+    (lambda a: a.__setitem__(1, a[1][:, :, :8]), "K head size 8 differs from Q head size 32"),
+    (lambda a: a.__setitem__(0, a[0][:, :3]), "q_num_heads 3 must be a multiple of kv_num_heads 2"),
+], ids=["cu-decreasing", "cu-k-total", "cu-lengths-differ", "kv-rows", "head-size", "heads"])
+def test_bad_varlen_arguments(change, match, rng, monkeypatch):
+    args = list(_pack(rng, [2, 1], [5, 9], 4, 2))
+    change(args)
+    ran = []
+    monkeypatch.setattr(numkv._attention, "run", lambda *a, **k: ran.append(1))
+    with pytest.raises(ValueError, match=match):
+        numkv.varlen_attention(*args)
+    assert not ran
