@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _attention, _config
-from ._dtypes import is_integer_dtype
+from ._dtypes import is_float8_dtype, is_integer_dtype
 from ._quantize import QuantizedArray
 from ._validate import as_array
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def varlen_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
                      *, scale: float | None = None, is_causal: bool = False, softcap: float = 0.0,
                      left_window_size: int = -1, right_window_size: int = -1,
-                     sinks: ArrayLike | None = None) -> np.ndarray:
+                     sinks: ArrayLike | None = None, qk_precision: str | None = None) -> np.ndarray:
     """Attention over sequences packed along one token axis (flash-attention's
     ``flash_attn_varlen_func`` convention).
 
@@ -51,8 +51,9 @@ def varlen_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, cu_seqlens_q: Arr
         ``Hq`` a multiple of ``Hkv`` (GQA).  The dtypes ``numkv.attention`` reads.
     cu_seqlens_q, cu_seqlens_k : int array, shape ``(N + 1,)``
         Non-decreasing offsets from 0 to ``Tq`` / ``Tk``.
-    scale, softcap, left_window_size, right_window_size, sinks
-        As in ``numkv.attention``.
+    scale, softcap, left_window_size, right_window_size, sinks, qk_precision
+        As in ``numkv.attention`` (``qk_precision="int8"`` needs quantised
+        keys: ``paged_attention``'s pages).
     is_causal : bool
         Bottom-right: the last query of a sequence attends all its keys (query
         ``i`` of ``sq`` against ``sk`` keys sits at position ``sk - sq + i``);
@@ -63,6 +64,8 @@ def varlen_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, cu_seqlens_q: Arr
     Y : ndarray, shape ``(Tq, Hq, Dv)``
         Each sequence's rows equal ``numkv.attention`` on that sequence alone.
     """
+    if qk_precision is not None:
+        _attention._int8_query(Q, K, None, qk_precision)  # (raises: varlen_attention's K is never quantised)
     Q, K, V = (_packed(x, name) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
     if K.shape[0] != V.shape[0]:
         raise ValueError(f"K has {K.shape[0]} rows but V has {V.shape[0]}")
@@ -146,7 +149,7 @@ def offsets(value, name, total, total_name, n):
 def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike, seq_lens: ArrayLike,
                     cu_seqlens_q: ArrayLike, *, scale: float | None = None, is_causal: bool = False,
                     softcap: float = 0.0, left_window_size: int = -1, right_window_size: int = -1,
-                    sinks: ArrayLike | None = None) -> np.ndarray:
+                    sinks: ArrayLike | None = None, qk_precision: str | None = None) -> np.ndarray:
     """Attention of packed queries over keys and values held in pages (a
     paged KV cache, vLLM's and flash-attention's layout), read in place.
 
@@ -164,9 +167,10 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
     seq_lens : int array, shape ``(N,)``
         Sequence ``i`` attends its first ``seq_lens[i]`` keys.
     cu_seqlens_q : int array, shape ``(N + 1,)``
-    scale, is_causal, softcap, left_window_size, right_window_size, sinks
+    scale, is_causal, softcap, left_window_size, right_window_size, sinks, qk_precision
         As in ``varlen_attention`` (causal bottom-right: query ``j`` of ``sq``
-        sits at position ``seq_lens[i] - sq + j``).
+        sits at position ``seq_lens[i] - sq + j``); ``qk_precision="int8"``
+        with quantised pages: as in ``numkv.attention``.
 
     Returns
     -------
@@ -174,6 +178,11 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
         Each sequence's rows equal ``numkv.attention`` on its keys alone.
     """
     Q = _packed(Q, "Q")
+    if qk_precision is not None:  # attention over the dequantised int8 query, in Q's dtype
+        y = paged_attention(_attention._int8_query(Q, key_cache, None, qk_precision), key_cache, value_cache,
+                            block_table, seq_lens, cu_seqlens_q, scale=scale, is_causal=is_causal, softcap=softcap,
+                            left_window_size=left_window_size, right_window_size=right_window_size, sinks=sinks)
+        return y if is_float8_dtype(Q.dtype) or y.dtype == Q.dtype else y.astype(Q.dtype)
     pool_k, pool_v = _pages(key_cache, "key_cache"), _pages(value_cache, "value_cache")
     if pool_k.shape[:3] != pool_v.shape[:3]:
         raise ValueError(f"key_cache has (num_blocks, block_size, kv_heads) {pool_k.shape[:3]} but value_cache "

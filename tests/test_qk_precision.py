@@ -90,3 +90,25 @@ def test_bad_qk_precision_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="blocks of 32"):
         numkv.attention(rng.standard_normal((1, 2, 1, 48), np.float32), k48, k48, qk_precision="int8")
     np.testing.assert_array_equal(numkv.attention(q, kq, kq, qk_precision=None), numkv.attention(q, kq, kq))
+
+
+def test_paged_and_varlen_take_qk_precision():
+    """``paged_attention(..., qk_precision="int8")`` over quantised pages
+    equals ``numkv.attention`` with it on each sequence alone;
+    ``varlen_attention``'s K is never quantised: a ValueError naming it."""
+    rng = np.random.default_rng(6)
+    pages_k = numkv.quantize(rng.standard_normal((6, 4, 2, 64)).astype(np.float32), "q8_0")
+    pages_v = numkv.quantize(rng.standard_normal((6, 4, 2, 64)).astype(np.float32), "q8_0")
+    q = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    table = np.array([[5, 1, 3], [0, 2, -1]])
+    y = numkv.paged_attention(q, pages_k, pages_v, table, np.array([10, 6]), np.array([0, 1, 3]),
+                              is_causal=True, qk_precision="int8")
+    keys = np.concatenate([pages_k.dequantize()[p] for p in (5, 1, 3)])[:10]
+    values = np.concatenate([pages_v.dequantize()[p] for p in (5, 1, 3)])[:10]
+    k4 = numkv.quantize(keys.transpose(1, 0, 2)[None], "q8_0")
+    v4 = numkv.quantize(values.transpose(1, 0, 2)[None], "q8_0")
+    want = numkv.attention(q[:1].transpose(1, 0, 2)[None], k4, v4, qk_precision="int8", is_causal=True,
+                           nonpad_kv_seqlen=np.array([10]))
+    np.testing.assert_allclose(y[:1], want[0].transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="qk_precision='int8' needs a quantised K"):
+        numkv.varlen_attention(q, q, q, np.array([0, 3]), np.array([0, 3]), qk_precision="int8")
