@@ -18,7 +18,7 @@ import numpy as np
 from . import _config
 from ._runtime import pool, thread_count
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
-                      is_mask_dtype, kernel_dtype_codes)
+                      is_integer_dtype, is_mask_dtype, kernel_dtype_codes)
 from ._kernels.layout import Q8_0, QUANT_FORMATS  # (plain Python: numba loads with the kernels)
 from ._quantize import (QuantizedArray, check_attention_operand, check_same_scales, folded_query, kernel_array,
                         kind, output_scale)
@@ -712,7 +712,7 @@ def sink_logits(sinks, q_heads):
     if sinks is None:
         return None
     arr = as_array(sinks, "sinks")
-    if arr.dtype.kind not in "fiu" and not is_attention_dtype(arr.dtype) or arr.dtype == np.bool_:
+    if not (is_integer_dtype(arr.dtype) or is_attention_dtype(arr.dtype)):
         raise TypeError(f"sinks has dtype {arr.dtype}; it must hold real numbers (one logit per query head)")
     if arr.shape != (q_heads,):
         raise ValueError(f"sinks must have shape (q_num_heads,) = ({q_heads},), got {arr.shape}")
