@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "1fea291375e4a041ac2352cb1589c1f87b839df36d38cf16f8cf36bbe56da965"
+HELPERS_SHA256 = "32d6004c8eac7b086b8e5898282e0514d704ebf2eab7fbba4b0e4af643e5877d"
 
 
 # -- work items --------------------------------------------------------------------------
