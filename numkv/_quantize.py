@@ -503,7 +503,7 @@ def _numpy_blocks(x, out, scheme, lo, hi, header, packed, bias):
         with np.errstate(over="ignore", under="ignore"):  # (the kernel's test: the product's sign)
             opposite = np.where(blocks * extreme < 0, magnitude, 0.0).max(axis=-1)
         below, above = -lo + 0.5, hi + 0.5
-        d = _float16_at_least(np.maximum(amax / below, opposite / above), (below, amax), (above, opposite))
+        d = _float16_at_least(np.maximum(amax / -lo, opposite / above), (below, amax), (above, opposite))
         d = np.where((extreme[..., 0] > 0) & (d > 0), -d, d)  # the extreme takes the lo end
     else:
         low, high = blocks.min(axis=-1), blocks.max(axis=-1)

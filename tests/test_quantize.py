@@ -81,10 +81,15 @@ def test_block_formats_are_within_half_a_step(fmt, dtype):
         assert (d * extreme <= 0).all() and ((d == 0) == (amax == 0)).all()
         opposite = np.where(wide * extreme < 0, np.abs(wide), 0).max(-1, keepdims=True)
         assert ((-lo + 0.5) * step >= amax).all() and ((hi + 0.5) * step >= opposite).all()
-        # the finest such float16: one step less breaks one bound
-        finer = _one_step_down(d)
-        nonzero = amax > 0
-        assert (((-lo + 0.5) * finer < amax) | ((hi + 0.5) * finer < opposite))[nonzero].all()
+        # llama.cpp's step (amax / 8 in float16: the extreme exactly at -8) where the opposite
+        # extreme stays within half a step of 7; else the finest float16 that keeps it there
+        llama = (amax / -lo).astype(np.float16).astype(np.float64)
+        keeps = ((amax / -lo >= opposite / (hi + 0.5)) & (llama * (hi + 0.5) >= opposite)
+                 & (llama * (-lo + 0.5) >= amax))  # (among float16's subnormals amax / 8 may round too far down)
+        assert (step == llama)[keeps].all()
+        down = _one_step_down(d)  # elsewhere the finest: a step less breaks a bound
+        assert (((hi + 0.5) * down < opposite) | ((-lo + 0.5) * down < amax))[~keeps].all()
+        assert (~keeps).any() and keeps.any()
     else:  # affine: the minimum rounded down, the step the spread over the codes (as symmetric's)
         m = q.minima.astype(np.float64)[..., None]
         low, high = wide.min(-1, keepdims=True), wide.max(-1, keepdims=True)
@@ -193,10 +198,11 @@ def test_the_kernels_blocks_equal_the_numpy_path_bit_for_bit(fmt, dtype, monkeyp
 # each quantiser takes: symmetric, from ``amax = 65520 * qmax`` on ``amax /
 # qmax`` rounds to float16's inf (65520: float16's largest, 65504, plus half
 # its last step), one float64 step below the scale is 65504, which holds the
-# block within half a step (``65504 * (qmax + 1/2)`` is more); signed, a
-# step of 65504 holds ``65504 * 8.5`` at the -8 end and nothing beyond;
+# block within half a step (``65504 * (qmax + 1/2)`` is more); signed, the
+# same with ``amax / 8``;
 # affine, the minimum is a float16 itself.
-_LARGEST = {"symmetric": lambda f: np.nextafter(65520.0 * f.qmax, 0), "signed": lambda f: 65504.0 * 8.5,
+_LARGEST = {"symmetric": lambda f: np.nextafter(65520.0 * f.qmax, 0),
+            "signed": lambda f: np.nextafter(65520.0 * -f.code_range[0], 0),
             "affine": lambda f: 65504.0}
 
 

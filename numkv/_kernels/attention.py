@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "32d6004c8eac7b086b8e5898282e0514d704ebf2eab7fbba4b0e4af643e5877d"
+HELPERS_SHA256 = "f4c7cc3677bbcde93c6d04f6547ceaa90a1c9b10e8bdbbae3d06f2ea89e63cb4"
 
 
 # -- work items --------------------------------------------------------------------------

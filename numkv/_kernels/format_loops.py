@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "43c228c8d45db21e255150d3cf11b2bc6583ec1193db318b5a6997e1bcde4acb"
+HELPERS_SHA256 = "eb6d80c8e5aad6ccf178f4cf42600315c61e3a9cfb7dedc77b1f2e309272339f"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

@@ -15,7 +15,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "bc37d20d8a8485b3d0d5c0a2103b6a98822dca82e40bcde071b8f8388c136c4e"
+HELPERS_SHA256 = "b46dfd9343f2d8c3c26ac34ac949d33ecd1d2a94324e2308b8b034eb7c25f67a"
 
 CHUNK = 1 << 16  # elements a work item
 

@@ -22,7 +22,7 @@ from .simd import _float64_bits
 # numba's disk cache notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "bc37d20d8a8485b3d0d5c0a2103b6a98822dca82e40bcde071b8f8388c136c4e"
+HELPERS_SHA256 = "b46dfd9343f2d8c3c26ac34ac949d33ecd1d2a94324e2308b8b034eb7c25f67a"
 
 BLOCK = 32  # elements a block (``numkv._quantize.BLOCK``)
 _FLOAT64_MAX = float(np.finfo(np.float64).max)
@@ -70,8 +70,10 @@ def quantize_blocks(x, out, scheme, lo, hi, header, packed, bias):
                     if x[r, j] * extreme < 0.0:
                         v = abs(x[r, j])
                         opposite = v if v > opposite else opposite
+                # the extreme at lo (llama.cpp's amax / 8), coarser only where the
+                # opposite extreme would fall beyond hi + 1/2
                 below, above = -lo + 0.5, hi + 0.5
-                target = amax / below if amax / below > opposite / above else opposite / above
+                target = amax / -lo if amax / -lo > opposite / above else opposite / above
                 h = _float16_bits(target)
                 if h != 0x7C00 and (_half_value(h) * below < amax or _half_value(h) * above < opposite):
                     h += 1

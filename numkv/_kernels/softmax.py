@@ -27,7 +27,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "70bab3c6683c831a3b1f43f283b394a643405571069cd2f1861114c7546a81f8"
+HELPERS_SHA256 = "7acff5e19a48f5adc68d83dfd321727e1d5f9def84efab61b205acc3b3b09567"
 
 @jit(inline=True)
 def _softmax_tile(s, rows, n, nq, j0, lo, hi, edge, mask, mask_base, mask_stride_i,
