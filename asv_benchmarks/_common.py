@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark modules (no benchmarks here).
 
-Conventions (see STYLE.md, "asv"):
+Conventions (the house style's "asv" rules, as scikit-image's and xarray's suites keep them):
 
 * Every ``setup`` calls the benchmarked function once, so numba compilation (or
   loading from numba's disk cache) is never timed.

@@ -91,7 +91,7 @@ def _held(buffer):
     return buffer.format if type(buffer) is QuantizedArray else buffer.dtype
 
 
-class _KVCache:
+class _CacheBase:
     """What both caches share: per-row lengths, argument checks, the scatter
     write, and the attention inputs of the last append.
 
@@ -303,7 +303,7 @@ class _KVCache:
         self._last = None
 
 
-class DynamicKVCache(_KVCache):
+class DynamicKVCache(_CacheBase):
     """A KV cache that grows as tokens arrive.
 
     The first ``append`` fixes batch size, heads, head sizes (and the dtype,
@@ -426,7 +426,7 @@ class DynamicKVCache(_KVCache):
         self._k, self._v = k, v  # views handed out earlier keep the old buffers
 
 
-class StaticKVCache(_KVCache):
+class StaticKVCache(_CacheBase):
     """A preallocated KV cache: ``(B, H, max_seq_len, D)`` key and value buffers.
 
     Parameters

@@ -22,7 +22,7 @@ import numpy as np
 from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
 from ._quantize import BLOCK
 from ._validate import as_array, as_count, as_flag, as_float, index_vector
-from .cache import QUANTIZED_DTYPES, DynamicKVCache, StaticKVCache, _KVCache
+from .cache import QUANTIZED_DTYPES, DynamicKVCache, StaticKVCache, _CacheBase
 
 if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
     from numpy.typing import DTypeLike
@@ -273,7 +273,7 @@ class CachedSelfAttention:
         if x.ndim != 3 or x.shape[2] != self.embed_dim:
             raise ValueError(f"x must have shape (batch, seq, {self.embed_dim}), got {x.shape}")
         use_cache = as_flag(use_cache, "use_cache")
-        if cache is not None and not isinstance(cache, _KVCache):
+        if cache is not None and not isinstance(cache, _CacheBase):
             raise TypeError(f"cache must be a numkv DynamicKVCache or StaticKVCache, got "
                             f"{type(cache).__name__}")
         if use_cache and cache is None:
@@ -555,13 +555,13 @@ class Decoder:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"tokens must lie in [0, {self.vocab_size})")
         if caches is not None:
-            if isinstance(caches, _KVCache) or not hasattr(caches, "__len__"):
+            if isinstance(caches, _CacheBase) or not hasattr(caches, "__len__"):
                 raise TypeError(f"caches must be a sequence of one cache per layer (new_caches), got "
                                 f"{type(caches).__name__}")
             if len(caches) != len(self.blocks):
                 raise ValueError(f"need one cache per layer ({len(self.blocks)}), got {len(caches)}")
             for i, cache in enumerate(caches):
-                if not isinstance(cache, _KVCache):
+                if not isinstance(cache, _CacheBase):
                     raise TypeError(f"caches[{i}] must be a numkv DynamicKVCache or StaticKVCache, "
                                     f"got {type(cache).__name__}")
         window = _window(window)

@@ -66,7 +66,6 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 # they are (cast once on append where the dtype differs); quantised formats
 # are StaticKVCache formats that quantise on append.
 FLOAT_FORMATS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": _BF16}
-QUANTISED_FORMATS = QUANTIZED_DTYPES
 _TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -512,9 +511,9 @@ def _format(dtype, name="dtype"):
     if isinstance(dtype, torch.dtype):
         if dtype not in _TORCH_NAMES:
             raise TypeError(f"{name} {dtype} is not a KVCache format ({', '.join(FLOAT_FORMATS)}, "
-                            f"{', '.join(QUANTISED_FORMATS)})")
+                            f"{', '.join(QUANTIZED_DTYPES)})")
         return FLOAT_FORMATS[_TORCH_NAMES[dtype]]
-    if isinstance(dtype, str) and dtype in QUANTISED_FORMATS:
+    if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES:
         return dtype
     if isinstance(dtype, str) and dtype in FLOAT_FORMATS:
         return FLOAT_FORMATS[dtype]
@@ -524,7 +523,7 @@ def _format(dtype, name="dtype"):
         np_dtype = None
     if np_dtype is None or np_dtype not in FLOAT_FORMATS.values():
         raise TypeError(f"{name} {dtype!r} is not a KVCache format ({', '.join(FLOAT_FORMATS)}, "
-                        f"{', '.join(QUANTISED_FORMATS)})")
+                        f"{', '.join(QUANTIZED_DTYPES)})")
     return np_dtype
 
 
