@@ -169,12 +169,13 @@ def tensor_scatter(
                      or not np.may_share_memory(out, update))):
             _, window, plan, n_items, n_bytes, utype, circular, last, direct, seq_len, max_seq, token = append
             # Whole float32 arrays: the kernel views them itself (see
-            # ``_kernels/scatter._units``), no view objects made here (-0.6 us).
+            # ``_kernels/scatter._units``), no view objects made here (-0.6 us;
+            # docs/performance.md, "Figures moved out of the code").
             whole = direct and contiguous and update_bits & _WRITEABLE
             if window is not None and not (whole and token and w_dtype is _INT64):
-                # Batch 1, a small write: one NumPy slice assignment (no kernel
-                # launch, no views) where it does not wrap: 1.85 us; whole
-                # float32 arrays take append_token (1.75 us).
+                # Batch 1, a small write: one NumPy slice assignment where it
+                # does not wrap (no kernel launch: 1.85 us); whole float32
+                # arrays take append_token (1.75 us).
                 start = int(write_indices[0])
                 if circular:
                     start %= max_seq

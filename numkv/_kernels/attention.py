@@ -124,7 +124,7 @@ from .widen import _kv_tile, _widen_rows_of
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "f4c7cc3677bbcde93c6d04f6547ceaa90a1c9b10e8bdbbae3d06f2ea89e63cb4"
+HELPERS_SHA256 = "a5f5b55f369fd9a91b06734aba162a7b93931130afa5bc7ea527277397114f6d"
 
 
 # -- work items --------------------------------------------------------------------------

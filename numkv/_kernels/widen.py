@@ -127,14 +127,9 @@ def _widen_e4m3fn_block(builder, x):
     128-entry tables (``vpermi2b``: a byte's low 7 bits index two
     registers), the sign is or'ed in, and unpacking the byte pairs, then the
     words under zeros, makes the float32s: ~11 instructions for 64
-    elements, where bit arithmetic (``_widen_e4m3fn``) takes ~9 for 16.  On a
-    streamed cache, one thread, the scores / the value update took 0.126 /
-    0.127 ns an element, against 0.151 / 0.139 by bit arithmetic; decode at
-    Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.60x
-    (float8_e5m2: 0.52-0.59x; whole bench runs: 0.53x and 0.615x).  (Moving
-    the byte pairs with a shuffle and a mask each instead of the unpacks held
-    more constants: LLVM ran out of registers and it was slower than bit
-    arithmetic.)"""
+    elements, where bit arithmetic (``_widen_e4m3fn``) takes ~9 for 16
+    (decode at Skv=16384 on 2 threads: 0.56-0.60x float32's time, against
+    0.65x; the log: docs/performance.md, "Figures moved out of the code")."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     bytes64, words32 = ir.VectorType(i8, 64), ir.VectorType(i16, 32)
 
