@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark modules (no benchmarks here).
 
-Conventions (see STYLE.md, "asv"):
+Conventions (the house style's "asv" rules, as scikit-image's and xarray's suites keep them):
 
 * Every ``setup`` calls the benchmarked function once, so numba compilation (or
   loading from numba's disk cache) is never timed.
@@ -35,6 +35,32 @@ def require(module):
     if importlib.util.find_spec(module) is None:
         raise NotImplementedError(f"{module} is not installed")
     return importlib.import_module(module)
+
+
+def kv_formats(which="NAMES"):
+    """numkv's quantised K/V formats, from its registry (``numkv._formats``):
+    every one (``"NAMES"``), or the block formats a cache quantises into
+    (``"BLOCK_FORMATS"``); a numkv before the registry (issue 41): the
+    formats it had.  (Importing numkv imports no numba.)"""
+    try:
+        from numkv import _formats
+    except ImportError:
+        return ["q8_0", "q4_0", "int8", "int4"] if which == "NAMES" else ["q8_0", "q4_0"]
+    return list(getattr(_formats, which))
+
+
+def kv_format_scale(fmt, x):
+    """A per-channel scale for ``x`` in a given-scale format (``|x|.max`` over
+    batch and sequence / the code range's top), None for a block format."""
+    try:
+        from numkv._formats import FORMATS
+        record = FORMATS[fmt]
+        derived, top = record.derived, record.code_range[1]
+    except ImportError:
+        derived, top = fmt not in ("int8", "int4"), 127 if fmt == "int8" else 7
+    if derived:
+        return None
+    return (np.abs(x).max(axis=(0, 2), keepdims=True) / top).astype(np.float32)
 
 
 def require_attr(obj, name):

@@ -28,8 +28,8 @@ import timeit
 
 import numpy as np
 
-from ._common import (dtype, numkv_attention, onnx_attention_model, ort_session, randn, require,
-                      require_attr, reuse, skip_large, warm_once)
+from ._common import (dtype, kv_format_scale, kv_formats, numkv_attention, onnx_attention_model, ort_session, randn,
+                      require, require_attr, reuse, skip_large, warm_once)
 
 HQ, HKV, D = 32, 8, 128
 PEERS = ["onnxruntime", "torch"]
@@ -278,12 +278,12 @@ class KVDtypePeers(_PeerTimed, KVDtype):
 
 class QuantizedDecode(_Timed):
     """Decode (batch 1, 32:8 heads) with float32 queries over a K/V cache
-    quantised by ``numkv.quantize``: llama.cpp's q8_0 / q4_0 blocks, or int8
-    / int4 with a per-channel scale (onnxruntime's GroupQueryAttention
-    layout), read inside the kernel.  Skipped where numkv has no
+    quantised by ``numkv.quantize``, every format of its registry: llama.cpp's
+    blocks, or onnxruntime's GroupQueryAttention codes with a per-channel
+    scale, read inside the kernel.  Skipped where numkv has no
     ``quantize`` (before issue 28)."""
 
-    params = [["q8_0", "q4_0", "int8", "int4"], [4096, 16384]]
+    params = [kv_formats(), [4096, 16384]]
     param_names = ["kv_format", "kv_len"]
 
     def _inputs(self, kv_format, kv_len):
@@ -293,12 +293,7 @@ class QuantizedDecode(_Timed):
         quantize = require_attr(numkv, "quantize")
         self.q, k, v = qkv(1, HQ, HKV, 1, kv_len, D)
 
-        def scale(x):
-            if kv_format in ("q8_0", "q4_0"):
-                return None
-            return (np.abs(x).max(axis=(0, 2), keepdims=True) / (127 if kv_format == "int8" else 7)).astype(np.float32)
-
-        self.k, self.v = (quantize(x, kv_format, scale=scale(x)) for x in (k, v))
+        self.k, self.v = (quantize(x, kv_format, scale=kv_format_scale(kv_format, x)) for x in (k, v))
         self.kwargs = {}
 
 

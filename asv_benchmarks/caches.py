@@ -14,7 +14,7 @@ import timeit
 
 import numpy as np
 
-from ._common import QUICK, randn, require_attr
+from ._common import QUICK, kv_formats, randn, require_attr
 
 BATCH, KV_HEADS, HEAD_DIM, MAX_SEQ = 1, 8, 128, 4096
 PREFILL = 2000
@@ -88,9 +88,9 @@ class StaticKVCacheAppend(_Append):
 
 class QuantisedKVCacheAppend(_Append):
     """``StaticKVCache(1, 8, 4096, 128, dtype=...)``.append of one token,
-    quantised on the way in (q8_0 / q4_0 blocks: ``numkv._kernels.quantize``)."""
+    quantised on the way in (each block format: ``numkv._kernels.quantize``)."""
 
-    params = ["q8_0", "q4_0"]
+    params = kv_formats("BLOCK_FORMATS")
     param_names = ["dtype"]
 
     def _new_cache(self):
@@ -99,9 +99,9 @@ class QuantisedKVCacheAppend(_Append):
 
 class Quantize:
     """``numkv.quantize`` of a prompt's keys, (1, 8, 2048, 128) float32, and of
-    one token's, (1, 8, 1, 128): q8_0 / q4_0 blocks."""
+    one token's, (1, 8, 1, 128): each block format."""
 
-    params = ["q8_0", "q4_0"]
+    params = kv_formats("BLOCK_FORMATS")
     param_names = ["format"]
     timer = timeit.default_timer
 

@@ -19,7 +19,7 @@ from . import _config
 from ._runtime import pool, thread_count
 from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
                       is_integer_dtype, is_mask_dtype, kernel_dtype_codes)
-from ._kernels.layout import Q8_0, QUANT_FORMATS  # (plain Python: numba loads with the kernels)
+from ._formats import FORMATS as _QUANT_FORMATS
 from ._quantize import (QuantizedArray, check_attention_operand, check_same_scales, folded_query, kernel_array,
                         kind, output_scale)
 from ._validate import as_array, as_float, as_int, as_int64, index_vector
@@ -144,7 +144,7 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
         ``nonpad_kv_seqlen``).
     K : array or QuantizedArray, shape ``(B, Hkv, Skv, D)``, or ``(B, Skv, Hkv * D)`` with ``kv_num_heads``
         Keys; ``Hq`` must be a multiple of ``Hkv``.  A ``QuantizedArray``
-        (``numkv.quantize``: q8_0, q4_0, int8, int4) is read as codes and
+        (``numkv.quantize``, any of its formats) is read as codes and
         scales inside the kernel, never dequantised whole.
     V : array or QuantizedArray, shape ``(B, Hkv, Skv, Dv)``, or ``(B, Skv, Hkv * Dv)``
         Values.
@@ -442,7 +442,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
     inputs, desc, bases, kv = [], [], [], []
-    # A QuantizedArray is read as its storage's bytes (``layout.QUANT_FORMATS``);
+    # A QuantizedArray is read as its storage's bytes (its record's code, ``numkv._formats``);
     # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
     q = folded_query(call.q, call.k, call.acc_dtype)
     size = call.acc_dtype.itemsize
@@ -450,7 +450,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         flat, base, strides = byte_operand(kernel_array(arr))
         inputs.append(flat)
         bases.append(base)
-        code = codes[arr.dtype] if type(arr) is not QuantizedArray else Q8_0 + QUANT_FORMATS.index(arr.format)
+        code = codes[arr.dtype] if type(arr) is not QuantizedArray else _QUANT_FORMATS[arr.format].code
         in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_gemm)
         desc += (base, *strides, code, int(in_place))
         if t == kernels.T_Q:

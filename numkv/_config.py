@@ -17,7 +17,8 @@ import os
 CACHE = os.environ.get("NUMKV_CACHE", "1") != "0"
 
 # Vectorised reductions need reassociation; never "nnan"/"ninf": the online
-# softmax relies on -inf (see STYLE.md, "fastmath").
+# softmax relies on -inf (a masked key's score; with "ninf" LLVM may fold its
+# exp and the max against it away).
 FASTMATH = frozenset({"reassoc", "contract"})
 
 

@@ -173,12 +173,13 @@ def tensor_scatter(
                      or not np.may_share_memory(out, update))):
             _, window, plan, n_items, n_bytes, utype, circular, last, direct, seq_len, max_seq, token = append
             # Whole float32 arrays: the kernel views them itself (see
-            # ``_kernels/scatter._units``), no view objects made here (-0.6 us).
+            # ``_kernels/scatter._units``), no view objects made here (-0.6 us;
+            # docs/performance.md, "Figures moved out of the code").
             whole = direct and contiguous and update_bits & _WRITEABLE
             if window is not None and not (whole and token and w_dtype is _INT64):
-                # Batch 1, a small write: one NumPy slice assignment (no kernel
-                # launch, no views) where it does not wrap: 1.85 us; whole
-                # float32 arrays take append_token (1.75 us).
+                # Batch 1, a small write: one NumPy slice assignment where it
+                # does not wrap (no kernel launch: 1.85 us); whole float32
+                # arrays take append_token (1.75 us).
                 start = int(write_indices[0])
                 if circular:
                     start %= max_seq
@@ -219,6 +220,15 @@ def tensor_scatter(
 
     if type(past_cache) is QuantizedArray:  # codes and scales: checked, then scattered as bytes
         return _scatter_quantized(past_cache, update, write_indices, axis, mode, out)
+    return _scatter(past_cache, update, write_indices, axis, mode, out)
+
+
+def _scatter(past_cache, update, write_indices, axis, mode, out):
+    """``tensor_scatter``'s general path: every input it takes, checked and
+    normalised (``_layouts``: once per layout), then the kernel or, for
+    object arrays and empty caches, ``scatter_reference``.  (The fast path,
+    an in-place append of plain ndarrays, stays in ``tensor_scatter`` itself:
+    a Python call more costs ~30 ns, 1% of its 2.6 us.)"""
     # A decode loop repeats one layout, and a 1-token append is pure call
     # overhead: everything that depends only on dtypes, shapes and strides is
     # checked and planned once per layout (``_layouts``), the rest is inlined.

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import _formats
 from ._dtypes import is_attention_dtype, is_cache_dtype
 from ._quantize import BLOCK, QuantizedArray, quantize_as, zeros
 from ._scatter import MODES, tensor_scatter
@@ -58,31 +59,39 @@ def _as_kv(array, name):
 
 
 # The formats a StaticKVCache quantises its keys and values into on append
-# (``numkv.quantize``: each new token's blocks on their own).
-QUANTIZED_DTYPES = ("q8_0", "q4_0")
+# (``numkv.quantize``: each new token's blocks on their own): the block
+# formats of ``numkv._formats``.
+QUANTIZED_DTYPES = _formats.BLOCK_FORMATS
+_QUANTIZED_LIST = ", ".join(QUANTIZED_DTYPES)
 
 
-def _static_cache_dtype(dtype):
+def _static_cache_dtype(dtype, name="dtype"):
     """``_cache_dtype``, or one of ``QUANTIZED_DTYPES`` (kept as its name)."""
     if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES:
         return dtype
-    return _cache_dtype(dtype)
+    return _cache_dtype(dtype, name)
 
 
-def _cache_dtype(dtype):
+def _cache_dtype(dtype, name="dtype"):
     if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES:  # (a DynamicKVCache: it grows by copying)
-        raise TypeError(f"dtype {dtype!r}: a quantised cache is a StaticKVCache(..., dtype={dtype!r})")
+        raise TypeError(f"{name} {dtype!r}: a quantised cache is a StaticKVCache(..., {name}={dtype!r})")
     try:
         dtype = np.dtype(dtype)
     except TypeError as exc:
-        raise TypeError(f"dtype {dtype!r} is not a NumPy dtype ({exc})") from None
+        raise TypeError(f"{name} {dtype!r} is not a NumPy dtype nor a quantised format ({_QUANTIZED_LIST}) "
+                        f"({exc})") from None
     if not is_cache_dtype(dtype):
-        raise TypeError(f"dtype {dtype} is not supported for a KV cache "
+        raise TypeError(f"{name} {dtype} is not supported for a KV cache "
                         f"(a fixed-width TensorScatter type)")
     return dtype
 
 
-class _KVCache:
+def _held(buffer):
+    """What a buffer holds: its dtype, or its format's name."""
+    return buffer.format if type(buffer) is QuantizedArray else buffer.dtype
+
+
+class _CacheBase:
     """What both caches share: per-row lengths, argument checks, the scatter
     write, and the attention inputs of the last append.
 
@@ -125,17 +134,19 @@ class _KVCache:
         return int(self._lens.max()) if self._lens.size else 0
 
     # -- checks ------------------------------------------------------------
-    def _check_pair(self, key, value, batch, heads, head_dim, v_head_dim, dtype):
+    def _check_pair(self, key, value, batch, heads, head_dim, v_head_dim, dtype, v_dtype=None):
+        """The checked key and value (quantised for a quantised cache, whose
+        ``dtype`` / ``v_dtype`` is a format's name); ``v_dtype`` None: ``dtype``."""
         key, value = _as_kv(key, "key"), _as_kv(value, "value")
-        quantized = isinstance(dtype, str)  # a QUANTIZED_DTYPES cache: float keys, quantised here
-        for name, arr, dim, size in (("key", key, "head_dim", head_dim),
-                                     ("value", value, "v_head_dim", v_head_dim)):
-            if quantized:
+        v_dtype = dtype if v_dtype is None else v_dtype
+        for name, arr, dim, size, held in (("key", key, "head_dim", head_dim, dtype),
+                                           ("value", value, "v_head_dim", v_head_dim, v_dtype)):
+            if isinstance(held, str):  # a QUANTIZED_DTYPES buffer: float keys, quantised here
                 if not is_attention_dtype(arr.dtype):
-                    raise TypeError(f"{name} has dtype {arr.dtype}; a {dtype} cache quantises float keys "
+                    raise TypeError(f"{name} has dtype {arr.dtype}; a {held} cache quantises float keys "
                                     f"and values (float16, bfloat16, float32, float64 or float8)")
-            elif arr.dtype != dtype:
-                raise TypeError(f"{name} has dtype {arr.dtype}, the cache holds {dtype} (no implicit casting)")
+            elif arr.dtype != held:
+                raise TypeError(f"{name} has dtype {arr.dtype}, the cache holds {held} (no implicit casting)")
             if arr.shape[0] != batch:
                 raise ValueError(f"{name}.shape[0] (batch) = {arr.shape[0]}, the cache has batch_size {batch}")
             if arr.shape[1] != heads:
@@ -144,8 +155,11 @@ class _KVCache:
                 raise ValueError(f"{name}.shape[3] ({dim}) = {arr.shape[3]}, the cache has {dim} {size}")
         if key.shape[2] != value.shape[2]:
             raise ValueError(f"key has {key.shape[2]} new positions, value has {value.shape[2]}")
-        if quantized:  # both quantised (finite, within float16's scales) before either is written
-            key, value = quantize_as(key, dtype, None, "key"), quantize_as(value, dtype, None, "value")
+        # both quantised (finite, within float16's scales) before either is written
+        if isinstance(dtype, str):
+            key = quantize_as(key, dtype, None, "key")
+        if isinstance(v_dtype, str):
+            value = quantize_as(value, v_dtype, None, "value")
         return key, value
 
     def _new_lengths(self, lengths, batch, new):
@@ -195,7 +209,7 @@ class _KVCache:
 
         Returns
         -------
-        keys : ndarray or QuantizedArray (a q8_0 / q4_0 cache), shape ``(B, H, n, D)``, or None (an empty ``DynamicKVCache``)
+        keys : ndarray or QuantizedArray (a quantised cache), shape ``(B, H, n, D)``, or None (an empty ``DynamicKVCache``)
         values : ndarray or QuantizedArray, shape ``(B, H, n, Dv)``, or None
             ``n`` is the longest row's length (``seq_len``; for a circular
             cache at most ``max_seq_len``, in slot order: ``positions()``).
@@ -258,8 +272,11 @@ class _KVCache:
                   f"head_dim={head_dim}"]
         if self._v.shape[3] != head_dim:
             fields.append(f"v_head_dim={self._v.shape[3]}")
-        dtype = self._k.format if type(self._k) is QuantizedArray else self._k.dtype.name
-        fields += [f"dtype={dtype}", f"mode={self.mode!r}"]
+        dtype, v_dtype = (str(_held(buffer)) for buffer in (self._k, self._v))
+        fields.append(f"dtype={dtype}")
+        if v_dtype != dtype:
+            fields.append(f"v_dtype={v_dtype}")
+        fields.append(f"mode={self.mode!r}")
         if self.mode == "circular":
             fields.append(f"window={self.window}")
         lens = np.array2string(self._lens, separator=", ", threshold=16, edgeitems=4)
@@ -286,7 +303,7 @@ class _KVCache:
         self._last = None
 
 
-class DynamicKVCache(_KVCache):
+class DynamicKVCache(_CacheBase):
     """A KV cache that grows as tokens arrive.
 
     The first ``append`` fixes batch size, heads, head sizes (and the dtype,
@@ -409,7 +426,7 @@ class DynamicKVCache(_KVCache):
         self._k, self._v = k, v  # views handed out earlier keep the old buffers
 
 
-class StaticKVCache(_KVCache):
+class StaticKVCache(_CacheBase):
     """A preallocated KV cache: ``(B, H, max_seq_len, D)`` key and value buffers.
 
     Parameters
@@ -424,7 +441,7 @@ class StaticKVCache(_KVCache):
         slots of a circular one.
     head_dim : int
         Key head size ``D`` (>= 1).
-    dtype : dtype or {"q8_0", "q4_0"}, default float32
+    dtype : dtype or str, default float32
         Any fixed-width ``tensor_scatter`` dtype; keys and values must arrive
         in it.  Or a quantised format (``numkv.quantize``, head sizes a
         multiple of 32): float keys and values of any attention dtype are
@@ -433,6 +450,11 @@ class StaticKVCache(_KVCache):
         that ``numkv.attention`` reads in place.
     v_head_dim : int, optional
         Value head size ``Dv``; default ``head_dim``.
+    v_dtype : dtype or str, optional
+        What the values are stored as, as ``dtype`` (default: ``dtype``):
+        keys and values in different formats, e.g. ``dtype="q8_0",
+        v_dtype="q4_0"`` (llama.cpp's ``-ctk`` / ``-ctv``: 4-bit keys are
+        the quality risk, 4-bit values much less so).
     mode : {"linear", "circular"}
         ``"circular"``: a sliding-window ring (below).
     window : int, optional
@@ -456,8 +478,9 @@ class StaticKVCache(_KVCache):
     out=buffer)``: no allocation for the buffers, O(new tokens) per call.
     ``get()`` returns views, never copies.  Any dtype ``tensor_scatter`` takes
     (float32, float16, bfloat16, the float8 types of ``ml_dtypes``, ...); keys
-    and values must arrive in that dtype (no implicit cast); a ``"q8_0"`` /
-    ``"q4_0"`` cache takes float keys and values and quantises them on append.
+    and values must arrive in that dtype (no implicit cast); a cache of a
+    block format of ``numkv.quantize`` takes float keys and values and
+    quantises them on append.
 
     ``mode="linear"``: row ``b`` holds positions ``0 .. seq_lens[b] - 1`` in
     order; appending past ``max_seq_len`` raises ``ValueError``.
@@ -504,8 +527,8 @@ class StaticKVCache(_KVCache):
     """
 
     def __init__(self, batch_size: int, num_heads: int, max_seq_len: int, head_dim: int, *,
-                 dtype: DTypeLike = np.float32, v_head_dim: int | None = None, mode: str = "linear",
-                 window: int | None = None) -> None:
+                 dtype: DTypeLike = np.float32, v_head_dim: int | None = None, v_dtype: DTypeLike | None = None,
+                 mode: str = "linear", window: int | None = None) -> None:
         batch_size = _count(batch_size, "batch_size", 0)
         num_heads = _count(num_heads, "num_heads", 1)
         max_seq_len = _count(max_seq_len, "max_seq_len", 1)
@@ -518,21 +541,20 @@ class StaticKVCache(_KVCache):
         window = max_seq_len if window is None else _count(window, "window", 1)
         if window > max_seq_len:
             raise ValueError(f"window {window} > max_seq_len {max_seq_len}")
-        dtype = _static_cache_dtype(dtype)
-        if dtype in QUANTIZED_DTYPES:
-            for name, size in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
-                if size % BLOCK:
-                    raise ValueError(f"{name} {size} is not a multiple of {dtype}'s block of {BLOCK}")
+        dtype = _static_cache_dtype(dtype, "dtype")
+        v_dtype = dtype if v_dtype is None else _static_cache_dtype(v_dtype, "v_dtype")
+        for name, size, held in (("head_dim", head_dim, dtype), ("v_head_dim", v_head_dim, v_dtype)):
+            if isinstance(held, str) and size % _formats.FORMATS[held].block:
+                raise ValueError(f"{name} {size} is not a multiple of {held}'s block of "
+                                 f"{_formats.FORMATS[held].block}")
         self.mode = mode
         self.window = window
         # np.zeros: calloc'd pages, so a large unused capacity costs no time.
         shape = (batch_size, num_heads, max_seq_len)
         try:
-            if dtype in QUANTIZED_DTYPES:  # codes and scales, zero
-                self._k, self._v = zeros(dtype, shape + (head_dim,)), zeros(dtype, shape + (v_head_dim,))
-            else:
-                self._k = np.zeros(shape + (head_dim,), dtype)
-                self._v = np.zeros(shape + (v_head_dim,), dtype)
+            self._k, self._v = (zeros(held, shape + (size,)) if isinstance(held, str)  # codes and scales, zero
+                                else np.zeros(shape + (size,), held)
+                                for held, size in ((dtype, head_dim), (v_dtype, v_head_dim)))
         except ValueError as exc:  # numpy's "array is too big": say which arguments made it
             raise ValueError(f"batch_size {batch_size} x num_heads {num_heads} x max_seq_len "
                              f"{max_seq_len} x head_dim {max(head_dim, v_head_dim)} is too big "
@@ -551,8 +573,13 @@ class StaticKVCache(_KVCache):
 
     @property
     def dtype(self) -> np.dtype | str:
-        """The dtype of the buffers, or their format (``"q8_0"``, ``"q4_0"``)."""
-        return self._k.format if type(self._k) is QuantizedArray else self._k.dtype
+        """The dtype of the key buffer, or its format (a string: a quantised cache)."""
+        return _held(self._k)
+
+    @property
+    def v_dtype(self) -> np.dtype | str:
+        """The dtype of the value buffer, or its format (``dtype`` unless ``v_dtype`` was given)."""
+        return _held(self._v)
 
     @property
     def nbytes(self) -> int:
@@ -589,7 +616,7 @@ class StaticKVCache(_KVCache):
         ----------
         key : ndarray, shape ``(B, H, S, D)``
             New keys, in the cache's dtype (no implicit cast); for a
-            ``"q8_0"`` / ``"q4_0"`` cache float keys, quantised here, each
+            quantised cache float keys, quantised here, each
             token's blocks on their own.  A view of the cache's own buffers
             is copied first.
         value : ndarray, shape ``(B, H, S, Dv)``
@@ -615,7 +642,7 @@ class StaticKVCache(_KVCache):
             that wrap the ring (circular).  Nothing is written then.
         """
         batch, heads, _, head_dim = self._k.shape
-        key, value = self._check_pair(key, value, batch, heads, head_dim, self._v.shape[3], self.dtype)
+        key, value = self._check_pair(key, value, batch, heads, head_dim, self._v.shape[3], self.dtype, self.v_dtype)
         new = key.shape[2]
         gained = self._new_lengths(lengths, batch, new)
         start = self._lens

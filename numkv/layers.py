@@ -22,7 +22,7 @@ import numpy as np
 from ._dtypes import is_attention_dtype, is_float8_dtype, is_integer_dtype
 from ._quantize import BLOCK
 from ._validate import as_array, as_count, as_flag, as_float, index_vector
-from .cache import QUANTIZED_DTYPES, DynamicKVCache, StaticKVCache, _KVCache
+from .cache import QUANTIZED_DTYPES, DynamicKVCache, StaticKVCache, _CacheBase
 
 if TYPE_CHECKING:  # annotations only: numpy.typing is not imported at run time
     from numpy.typing import DTypeLike
@@ -52,29 +52,33 @@ def _lengths(lengths, batch, new):
 
 
 def _kv_format(dtype):
-    """The quantised format ``dtype`` names (``"q8_0"``, ``"q4_0"``: a
+    """The quantised format ``dtype`` names (one of ``QUANTIZED_DTYPES``: a
     ``StaticKVCache`` quantises on append), or None for a NumPy dtype."""
     return dtype if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES else None
 
 
-def _check_kv_format(dtype, dynamic, head_dim, dynamic_hint, head_hint="", advice=""):
-    """A quantised ``dtype`` must go to a ``StaticKVCache`` (``dynamic``: the
-    caller would make a ``DynamicKVCache``, which grows by copying and holds
-    NumPy dtypes only) whose head size its block of 32 divides.  Checked
-    here, before anything is computed or written, so that the error names
-    the caller's arguments (the hints say which)."""
-    fmt = _kv_format(dtype)
-    if fmt is None:
-        return
-    if dynamic:
-        raise ValueError(f"dtype {fmt!r} is a quantised format, which only a StaticKVCache holds: "
-                         f"{dynamic_hint}")
-    if head_dim % BLOCK:
-        raise ValueError(f"dtype {fmt!r} quantises blocks of {BLOCK} along the head: head_dim {head_dim}"
-                         f"{head_hint} is not a multiple of {BLOCK}{advice}")
+def _check_kv_format(dtype, dynamic, head_dim, dynamic_hint, head_hint="", advice="", v_dtype=None):
+    """A quantised ``dtype`` (or ``v_dtype``) must go to a ``StaticKVCache``
+    (``dynamic``: the caller would make a ``DynamicKVCache``, which grows by
+    copying and holds one NumPy dtype) whose head size its block of 32
+    divides.  Checked here, before anything is computed or written, so that
+    the error names the caller's arguments (the hints say which)."""
+    if dynamic and v_dtype is not None:
+        raise ValueError(f"v_dtype gives the values a format of their own, which only a StaticKVCache "
+                         f"holds: {dynamic_hint}")
+    for name, held in (("dtype", dtype), ("v_dtype", v_dtype)):
+        fmt = _kv_format(held)
+        if fmt is None:
+            continue
+        if dynamic:
+            raise ValueError(f"{name} {fmt!r} is a quantised format, which only a StaticKVCache holds: "
+                             f"{dynamic_hint}")
+        if head_dim % BLOCK:
+            raise ValueError(f"{name} {fmt!r} quantises blocks of {BLOCK} along the head: head_dim {head_dim}"
+                             f"{head_hint} is not a multiple of {BLOCK}{advice}")
 
 
-def _quantise(x, dtype):
+def _cast(x, dtype):
     """Cast keys/values to a cache's dtype.  Saturate for float8 types, whose
     casts turn out-of-range values into NaN rather than the largest finite."""
     if x.dtype == dtype:
@@ -146,8 +150,8 @@ class CachedSelfAttention:
       (``numkv.attention(..., is_causal=True)``);
     * with ``use_cache=True``, the new keys/values are appended to ``cache`` (a
       ``DynamicKVCache`` or ``StaticKVCache``, any float dtype: keys/values are
-      cast to it here, explicitly; or a ``StaticKVCache`` of a quantised format,
-      ``"q8_0"`` / ``"q4_0"``, which quantises the float32 keys/values itself
+      cast to it here, explicitly; or a ``StaticKVCache`` of a quantised format
+      (``numkv.quantize``'s block formats), which quantises the float32 keys/values itself
       and is read in place) and the queries attend everything cached
       with the offset causal mask: query ``i`` of row ``b`` sits at absolute
       position ``seq_lens[b] + i``.  Multi-token inputs (chunked prefill) and
@@ -202,7 +206,8 @@ class CachedSelfAttention:
         self.w_o = _init(rng, num_heads * head_dim, embed_dim)
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, *, dtype: DTypeLike = np.float32,
-                  mode: str = "linear", window: int | None = None) -> DynamicKVCache | StaticKVCache:
+                  mode: str = "linear", window: int | None = None,
+                  v_dtype: DTypeLike | None = None) -> DynamicKVCache | StaticKVCache:
         """A cache shaped for this layer (``num_kv_heads`` heads of ``head_dim``).
 
         Parameters
@@ -212,10 +217,12 @@ class CachedSelfAttention:
         max_seq_len : int, optional
             None: a ``DynamicKVCache(dtype=dtype)`` (linear, grows); else a
             ``StaticKVCache`` of this many positions per row.
-        dtype : dtype or {"q8_0", "q4_0"}, default float32
+        dtype : dtype or str, default float32
             The cache's dtype (a float type the layer can attend), or a
             quantised format (a ``StaticKVCache`` only, so it needs
             ``max_seq_len``; ``head_dim`` a multiple of 32).
+        v_dtype : dtype or str, optional
+            The values' own dtype or format (a ``StaticKVCache``'s); default ``dtype``.
         mode, window
             A ``StaticKVCache``'s (``"circular"`` and its window need ``max_seq_len``).
 
@@ -230,7 +237,8 @@ class CachedSelfAttention:
             ``head_dim`` its block of 32 does not divide; see also the caches'.
         """
         _check_kv_format(dtype, max_seq_len is None, self.head_dim,
-                         "pass max_seq_len for a StaticKVCache (a DynamicKVCache grows by copying)")
+                         "pass max_seq_len for a StaticKVCache (a DynamicKVCache grows by copying)",
+                         v_dtype=v_dtype)
         if max_seq_len is None:
             if mode != "linear" or window is not None:
                 raise ValueError("a circular cache (mode, window) needs max_seq_len: a DynamicKVCache "
@@ -238,7 +246,7 @@ class CachedSelfAttention:
             as_count(batch_size, "batch_size", 0)
             return DynamicKVCache(dtype=dtype)
         return StaticKVCache(batch_size, self.num_kv_heads, max_seq_len, self.head_dim,
-                             dtype=dtype, mode=mode, window=window)
+                             dtype=dtype, v_dtype=v_dtype, mode=mode, window=window)
 
     def _split(self, x, heads):
         b, s, _ = x.shape
@@ -265,7 +273,7 @@ class CachedSelfAttention:
         if x.ndim != 3 or x.shape[2] != self.embed_dim:
             raise ValueError(f"x must have shape (batch, seq, {self.embed_dim}), got {x.shape}")
         use_cache = as_flag(use_cache, "use_cache")
-        if cache is not None and not isinstance(cache, _KVCache):
+        if cache is not None and not isinstance(cache, _CacheBase):
             raise TypeError(f"cache must be a numkv DynamicKVCache or StaticKVCache, got "
                             f"{type(cache).__name__}")
         if use_cache and cache is None:
@@ -320,16 +328,20 @@ class CachedSelfAttention:
         elif window is not None:
             extra["left_window_size"] = window - 1
         dtype = cache.dtype if cache.dtype is not None else k.dtype
-        # A quantised StaticKVCache ("q8_0", "q4_0") takes the float32 keys and
-        # values as they are and quantises each new token's blocks on append;
-        # attention then reads its QuantizedArray views in place.
-        if _kv_format(dtype) is None:
-            if not is_attention_dtype(dtype):  # checked before the cache is written
+        v_dtype = getattr(cache, "v_dtype", dtype)
+        # A quantised StaticKVCache takes the float32 keys and values as they
+        # are and quantises each new token's blocks on append; attention then
+        # reads its QuantizedArray views in place.
+        for held in (dtype, v_dtype):
+            if _kv_format(held) is None and not is_attention_dtype(held):  # checked before the cache is written
                 raise TypeError(
-                    f"cache has dtype {dtype}; the layer attends its keys and values, so it must hold "
+                    f"cache has dtype {held}; the layer attends its keys and values, so it must hold "
                     f"a float type Attention takes (float16, bfloat16, float32, float64, float8) "
                     f"or a quantised format ({', '.join(QUANTIZED_DTYPES)})")
-            k, v = _quantise(k, dtype), _quantise(v, dtype)
+        if _kv_format(dtype) is None:
+            k = _cast(k, dtype)
+        if _kv_format(v_dtype) is None:
+            v = _cast(v, v_dtype)
         new = q.shape[2]
         step = cache.max_chunk or new
         outputs = []
@@ -461,7 +473,8 @@ class Decoder:
         return self.config["vocab_size"]
 
     def new_caches(self, kind: str, batch_size: int, max_seq_len: int | None = None, *,
-                   dtype: DTypeLike = np.float32, window: int | None = None) -> list:
+                   dtype: DTypeLike = np.float32, window: int | None = None,
+                   v_dtype: DTypeLike | None = None) -> list:
         """One cache per layer.
 
         Parameters
@@ -475,10 +488,13 @@ class Decoder:
             Rows.
         max_seq_len : int, optional
             See ``kind``.
-        dtype : dtype or {"q8_0", "q4_0"}, default float32
+        dtype : dtype or str, default float32
             The caches' dtype, or a quantised format: ``"static"`` and
             ``"circular"`` caches only, and a head size (``embed_dim //
             num_heads``) that the block of 32 divides.
+        v_dtype : dtype or str, optional
+            The values' own dtype or format (``"static"`` and ``"circular"``
+            caches); default ``dtype``.
         window : int, optional
             The ring's window: circular caches only (for a linear cache, pass
             ``window`` to the decoder's call).
@@ -495,7 +511,7 @@ class Decoder:
         """
         if not isinstance(kind, str) or kind not in CACHE_KINDS:
             raise ValueError(f"kind must be one of {CACHE_KINDS}, got {kind!r}")
-        self._check_cache_dtype(dtype, kind)
+        self._check_cache_dtype(dtype, kind, v_dtype)
         as_count(batch_size, "batch_size", 0)
         if kind == "dynamic" and max_seq_len is not None:
             raise ValueError("max_seq_len applies to 'static' and 'circular' caches: a dynamic one grows")
@@ -510,23 +526,24 @@ class Decoder:
             if kind == "dynamic":
                 caches.append(DynamicKVCache(dtype=dtype))
             elif kind == "static":
-                caches.append(block.attn.new_cache(batch_size, max_seq_len, dtype=dtype))
+                caches.append(block.attn.new_cache(batch_size, max_seq_len, dtype=dtype, v_dtype=v_dtype))
             else:
                 if window is None:
                     raise ValueError("a circular cache needs a window")
                 slots = 2 * window if max_seq_len is None else max_seq_len
-                caches.append(block.attn.new_cache(batch_size, slots, dtype=dtype, mode="circular",
-                                                   window=window))
+                caches.append(block.attn.new_cache(batch_size, slots, dtype=dtype, v_dtype=v_dtype,
+                                                   mode="circular", window=window))
         return caches
 
-    def _check_cache_dtype(self, dtype, kind):
+    def _check_cache_dtype(self, dtype, kind, v_dtype=None):
         """A quantised ``dtype`` needs a StaticKVCache kind and a head size
         of whole blocks: refused here, naming the decoder's settings."""
         cfg = self.config
         _check_kv_format(dtype, kind == "dynamic", self.blocks[0].attn.head_dim,
                          "use cache kind 'static' or 'circular' (a 'dynamic' cache grows by copying)",
                          f" (embed_dim {cfg['embed_dim']} / num_heads {cfg['num_heads']})",
-                         "; Decoder('base') or Decoder('tiny', num_heads=2, num_kv_heads=1) have 32")
+                         "; Decoder('base') or Decoder('tiny', num_heads=2, num_kv_heads=1) have 32",
+                         v_dtype=v_dtype)
 
     def __call__(self, tokens: np.ndarray, caches: Sequence | None = None, *,
                  lengths: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
@@ -538,13 +555,13 @@ class Decoder:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"tokens must lie in [0, {self.vocab_size})")
         if caches is not None:
-            if isinstance(caches, _KVCache) or not hasattr(caches, "__len__"):
+            if isinstance(caches, _CacheBase) or not hasattr(caches, "__len__"):
                 raise TypeError(f"caches must be a sequence of one cache per layer (new_caches), got "
                                 f"{type(caches).__name__}")
             if len(caches) != len(self.blocks):
                 raise ValueError(f"need one cache per layer ({len(self.blocks)}), got {len(caches)}")
             for i, cache in enumerate(caches):
-                if not isinstance(cache, _KVCache):
+                if not isinstance(cache, _CacheBase):
                     raise TypeError(f"caches[{i}] must be a numkv DynamicKVCache or StaticKVCache, "
                                     f"got {type(cache).__name__}")
         window = _window(window)
@@ -558,7 +575,8 @@ class Decoder:
     def generate(self, prompts: Sequence, new_tokens: int, *, cache: str | None = None,
                  dtype: DTypeLike = np.float32, window: int | None = None, slots: int | None = None,
                  prefill_chunk: int | None = None,
-                 progress: Callable[[int, int], object] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 progress: Callable[[int, int], object] | None = None,
+                 v_dtype: DTypeLike | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Greedy decoding of ``new_tokens`` tokens after each prompt.
 
         Every option is honoured on every path it applies to (uncached,
@@ -579,9 +597,11 @@ class Decoder:
             them and then decodes one token per row per step, each row at its
             own position.  (To decode with caches of your own, call
             ``decoder(tokens, caches)`` step by step.)
-        dtype : dtype or {"q8_0", "q4_0"}, default float32
+        dtype : dtype or str, default float32
             The caches' dtype (only with a cache); the quantised formats with
             ``"static"`` and ``"circular"`` caches (``new_caches``).
+        v_dtype : dtype or str, optional
+            The caches' values' own dtype or format (``new_caches``); default ``dtype``.
         window : int, optional
             Sliding-window attention over the last ``window`` positions, on
             every path (required for ``"circular"``, whose ring it sizes).
@@ -624,10 +644,12 @@ class Decoder:
                 shown = _kv_format(dtype) or np.dtype(dtype)
                 raise ValueError(f"dtype is the caches' dtype: it needs cache=..., got dtype {shown} "
                                  f"with cache=None (which computes in float32)")
+            if v_dtype is not None:
+                raise ValueError(f"v_dtype is the caches' values' dtype: it needs cache=..., got {v_dtype!r}")
             if prefill_chunk is not None:
                 raise ValueError("prefill_chunk splits the caches' prefill: it needs cache=...")
         else:
-            self._check_cache_dtype(dtype, cache)
+            self._check_cache_dtype(dtype, cache, v_dtype)
         if slots is not None:
             if cache != "circular":
                 raise ValueError(f"slots is the capacity of a 'circular' cache; got cache={cache!r}")
@@ -656,10 +678,10 @@ class Decoder:
         if cache == "circular":
             if slots is None:
                 slots = window + longest - 1 if window is not None else None
-            caches = self.new_caches(cache, batch, slots, dtype=dtype, window=window)
+            caches = self.new_caches(cache, batch, slots, dtype=dtype, window=window, v_dtype=v_dtype)
         else:  # a linear cache keeps every token; the window applies to what is attended
             caches = self.new_caches(cache, batch, None if cache == "dynamic" else longest + new_tokens,
-                                     dtype=dtype)
+                                     dtype=dtype, v_dtype=v_dtype)
         if new_tokens == 0:
             return out_tokens, out_logits
         chunk = prefill_chunk or longest

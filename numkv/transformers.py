@@ -66,7 +66,6 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 # they are (cast once on append where the dtype differs); quantised formats
 # are StaticKVCache formats that quantise on append.
 FLOAT_FORMATS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": _BF16}
-QUANTISED_FORMATS = QUANTIZED_DTYPES
 _TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -481,12 +480,14 @@ class KVCacheLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, batch_size, num_heads, max_cache_len, head_dim, v_head_dim, dtype, sliding_window=None,
-                 config=None):
+                 config=None, v_dtype=None):
         super().__init__()
-        self.dtype = dtype
-        self.quantised = dtype in QUANTISED_FORMATS
+        v_dtype = dtype if v_dtype is None else v_dtype
+        self.dtype, self.v_dtype = dtype, v_dtype
+        # keys or values quantised: both are read from the cache by numkv's attention only
+        self.quantised = isinstance(dtype, str) or isinstance(v_dtype, str)
         self.cache = StaticKVCache(batch_size, num_heads, max_cache_len, head_dim, v_head_dim=v_head_dim,
-                                   dtype=dtype)
+                                   dtype=dtype, v_dtype=v_dtype)
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -526,6 +527,11 @@ class KVCacheLayer(CacheLayerMixin):
                     f"or build the model with attn_implementation='numkv' (numkv.transformers.register()), "
                     f"which reads any")
             k, v = k.astype(self.cache.dtype), v.astype(self.cache.dtype)
+        elif self.quantised:  # a float half of a mixed cache: cast to its dtype
+            if not isinstance(self.dtype, str) and k.dtype != self.dtype:
+                k = k.astype(self.dtype)
+            if not isinstance(self.v_dtype, str) and v.dtype != self.v_dtype:
+                v = v.astype(self.v_dtype)
         self.cache.append(k, v)
         n = self.cache.seq_len
         if self.quantised:
@@ -586,13 +592,13 @@ class KVCacheLayer(CacheLayerMixin):
         return int(self.cache.nbytes)
 
 
-def _format(dtype):
+def _format(dtype, name="dtype"):
     if isinstance(dtype, torch.dtype):
         if dtype not in _TORCH_NAMES:
-            raise TypeError(f"dtype {dtype} is not a KVCache format ({', '.join(FLOAT_FORMATS)}, "
-                            f"{', '.join(QUANTISED_FORMATS)})")
+            raise TypeError(f"{name} {dtype} is not a KVCache format ({', '.join(FLOAT_FORMATS)}, "
+                            f"{', '.join(QUANTIZED_DTYPES)})")
         return FLOAT_FORMATS[_TORCH_NAMES[dtype]]
-    if isinstance(dtype, str) and dtype in QUANTISED_FORMATS:
+    if isinstance(dtype, str) and dtype in QUANTIZED_DTYPES:
         return dtype
     if isinstance(dtype, str) and dtype in FLOAT_FORMATS:
         return FLOAT_FORMATS[dtype]
@@ -601,8 +607,8 @@ def _format(dtype):
     except TypeError:
         np_dtype = None
     if np_dtype is None or np_dtype not in FLOAT_FORMATS.values():
-        raise TypeError(f"dtype {dtype!r} is not a KVCache format ({', '.join(FLOAT_FORMATS)}, "
-                        f"{', '.join(QUANTISED_FORMATS)})")
+        raise TypeError(f"{name} {dtype!r} is not a KVCache format ({', '.join(FLOAT_FORMATS)}, "
+                        f"{', '.join(QUANTIZED_DTYPES)})")
     return np_dtype
 
 
@@ -628,9 +634,13 @@ class KVCache(Cache):
         Positions each row can hold, prompt and generated tokens together.
     dtype : str, numpy or torch dtype, default "float32"
         ``"float32"``, ``"float16"``, ``"bfloat16"`` (keys cast once on append
-        where the model's dtype differs), or ``"q8_0"`` / ``"q4_0"`` (quantised
-        on append, read in place by numkv's attention only: a model of another
-        ``attn_implementation`` is refused).
+        where the model's dtype differs), or a block format of
+        ``numkv.quantize`` (quantised on append, read in place by numkv's
+        attention only: a model of another ``attn_implementation`` is
+        refused).
+    v_dtype : str, numpy or torch dtype, optional
+        The values' own format, as ``dtype`` (default: ``dtype``): e.g.
+        ``dtype="q8_0", v_dtype="q4_0"``, llama.cpp's ``-ctk q8_0 -ctv q4_0``.
 
     Notes
     -----
@@ -644,19 +654,21 @@ class KVCache(Cache):
     lengths only.
     """
 
-    def __init__(self, config, batch_size: int, max_cache_len: int, *, dtype="float32"):
+    def __init__(self, config, batch_size: int, max_cache_len: int, *, dtype="float32", v_dtype=None):
         batch_size = _positive(batch_size, "batch_size")
         max_cache_len = _positive(max_cache_len, "max_cache_len")
         fmt = _format(dtype)
+        v_fmt = fmt if v_dtype is None else _format(v_dtype, "v_dtype")
         get_text = getattr(config, "get_text_config", None)
         if get_text is None:
             raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
         text = get_text(decoder=True)
         implementation = getattr(text, "_attn_implementation", None)
-        if isinstance(fmt, str) and implementation is not None and implementation not in _REGISTERED:
+        quantised = fmt if isinstance(fmt, str) else v_fmt if isinstance(v_fmt, str) else None
+        if quantised and implementation is not None and implementation not in _REGISTERED:
             # update() hands the model placeholder tensors (the keys live
             # quantised in numkv's buffers): eager / sdpa would read NaN.
-            raise ValueError(f"a {fmt} KVCache is read by numkv's attention only: build the model with "
+            raise ValueError(f"a {quantised} KVCache is read by numkv's attention only: build the model with "
                              f"attn_implementation='numkv' (numkv.transformers.register()), got "
                              f"{implementation!r}")
         layer_types, per_layer = get_layer_types_and_kwargs(text)
@@ -672,15 +684,17 @@ class KVCache(Cache):
             else:
                 raise NotImplementedError(f"layer {i} is of type {kind!r}: KVCache holds full and "
                                           f"sliding-window attention layers only")
-            layers.append(KVCacheLayer(batch_size, kv_heads, max_cache_len, head_dim, head_dim, fmt, window, text))
+            layers.append(KVCacheLayer(batch_size, kv_heads, max_cache_len, head_dim, head_dim, fmt, window, text,
+                                       v_fmt))
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
-        self.dtype = fmt
+        self.dtype, self.v_dtype = fmt, v_fmt
 
     def __repr__(self):
-        name = self.dtype if isinstance(self.dtype, str) else self.dtype.name
+        name, v_name = (d if isinstance(d, str) else d.name for d in (self.dtype, self.v_dtype))
+        v_part = f", v_dtype={v_name!r}" if v_name != name else ""
         return (f"KVCache(layers={len(self.layers)}, batch_size={self.layers[0].batch_size if self.layers else 0}, "
-                f"max_cache_len={self.max_cache_len}, dtype={name!r}, seq_length={self.get_seq_length()})")
+                f"max_cache_len={self.max_cache_len}, dtype={name!r}{v_part}, seq_length={self.get_seq_length()})")
 
     def crop(self, n: int) -> None:
         """Drop the last ``-n`` tokens of every row and layer (``n <= 0``), as

@@ -297,7 +297,8 @@ OPTIONS = {
     ("demo", "--window"): bad_count(1),
     ("demo", "--seed"): bad_count(0),
     ("demo", "--size"): not_one_of(("tiny", "small", "base")),
-    ("demo", "--kv-dtype"): not_one_of(("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "q8_0", "q4_0")),
+    ("demo", "--kv-dtype"): not_one_of(("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "q8_0", "q4_0", "q4_1")),
+    ("demo", "--v-dtype"): not_one_of(("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "q8_0", "q4_0", "q4_1")),
     ("bench", "--threads"): bad_count(1, MAX_WORKERS),
     ("bench", "--only"): not_a_regex(),
     ("bench", "--plot"): bad_plot_path(),
@@ -398,8 +399,20 @@ def test_demo_with_a_q4_0_cache_at_an_explicit_size(capsys):
     assert re.search(r"drift vs \(c\): \d/4 tokens equal \(\d+\.\d%\), max \|dlogit\| \S+ = \S+% of max", line), line
 
 
+def test_demo_with_q8_0_keys_and_q4_0_values(capsys):
+    """``--kv-dtype q8_0 --v-dtype q4_0``: run (d) over a cache of q8_0 keys
+    and q4_0 values, labelled so, its drift reported (llama.cpp's -ctk / -ctv)."""
+    assert main(["demo", "--kv-dtype", "q8_0", "--v-dtype", "q4_0", "--batch", "2", "--prompt-len", "5",
+                 "--new-tokens", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("numkv demo: decoder 'base' (")
+    (line,) = [line for line in out.splitlines() if line.startswith("(d) StaticKVCache q8_0 K, q4_0 V")]
+    assert re.search(r"drift vs \(c\): \d/4 tokens equal \(\d+\.\d%\), max \|dlogit\| \S+ = \S+% of max", line), line
+    assert "all cached runs agree" in out
+
+
 @pytest.mark.parametrize("size", ["tiny", "small"])
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_demo_quantised_cache_at_a_size_it_cannot_take(size, fmt):
     """A preset whose head size 32 does not divide: a usage error naming
     both options and the size that works, before any work."""
@@ -413,4 +426,7 @@ def test_demo_default_size_is_unchanged_for_float_caches():
 
     for kv, size in (("bfloat16", "small"), ("float8_e5m2", "small"), ("q8_0", "base"), ("q4_0", "base")):
         assert _size(build_parser().parse_args(["demo", "--kv-dtype", kv])) == size
+    assert _size(build_parser().parse_args(["demo", "--v-dtype", "q4_1"])) == "base"
+    assert_usage_error(["demo", "--v-dtype", "q4_1", "--size", "small"], call=main,
+                       says="--v-dtype q4_1 quantises blocks of 32 along the head, but --size small")
     assert _size(build_parser().parse_args(["demo", "--size", "tiny"])) == "tiny"

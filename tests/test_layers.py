@@ -442,20 +442,20 @@ class DequantisingCache(StaticKVCache):
     each append's keys and values quantised (each token's blocks on their
     own) and dequantised."""
 
-    def __init__(self, fmt, *args, **kwargs):
+    def __init__(self, fmt, *args, v_fmt=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fmt = fmt
+        self.fmt, self.v_fmt = fmt, v_fmt or fmt
 
     def append(self, key, value, lengths=None):
         return super().append(numkv.quantize(key, self.fmt).dequantize(),
-                              numkv.quantize(value, self.fmt).dequantize(), lengths)
+                              numkv.quantize(value, self.v_fmt).dequantize(), lengths)
 
 
 QUANT_KINDS = [pytest.param("linear", None, 16, id="static"),
                pytest.param("circular", 3, 6, id="circular-C6-W3")]  # the ring wraps
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("mode, window, capacity", QUANT_KINDS)
 def test_quantised_cache_equals_a_float_cache_of_its_values(inputs, fmt, mode, window, capacity):
     """The layer over a q8_0 / q4_0 cache (quantised on append, read in
@@ -474,7 +474,8 @@ def test_quantised_cache_equals_a_float_cache_of_its_values(inputs, fmt, mode, w
         np.testing.assert_allclose(a, b, **TOL)
 
 
-@pytest.mark.parametrize("fmt, qmax", [("q8_0", 127), ("q4_0", 7)])
+# (q4_1: its step is the block's spread, at most twice amax, over 15)
+@pytest.mark.parametrize("fmt, qmax", [("q8_0", 127), ("q4_0", 7), ("q4_1", 7)])
 def test_quantised_cache_within_the_bound_its_step_gives(inputs, fmt, qmax):
     """The layer's output over a quantised cache against the float32 cache's,
     within a bound derived from the quantisation step alone.
@@ -584,10 +585,41 @@ def test_generate_q4_0_drift_is_reported(quant_decoder, quant_prompts, float_cac
      "head_dim 48 is not a multiple of 32"),
     (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, cache="static", dtype="q5_0"),
      TypeError, "dtype 'q5_0'"),
+    (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, cache="static", v_dtype="q5_0"),
+     TypeError, "v_dtype 'q5_0'"),
+    (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, v_dtype="q4_0"), ValueError,
+     "v_dtype is the caches' values' dtype: it needs cache=..."),
+    (lambda: Decoder("tiny", **QUANT_DECODER).generate(TOKEN_PROMPTS, 2, cache="dynamic", v_dtype="q4_0"),
+     ValueError, "v_dtype gives the values a format of their own"),
+    (lambda: Decoder("tiny").new_caches("static", 2, 8, dtype="q8_0", v_dtype="q4_1"), ValueError,
+     "dtype 'q8_0' quantises blocks of 32"),
+    (lambda: CachedSelfAttention(64, 4).new_cache(1, 8, v_dtype="q4_1"), ValueError,
+     "v_dtype 'q4_1' quantises blocks of 32 along the head: head_dim 16"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_quantised_dtypes_refused_where_they_cannot_go(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("fmt, v_fmt", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("q4_1", "q4_0")])
+@pytest.mark.parametrize("mode, window, capacity", QUANT_KINDS)
+def test_separate_k_and_v_formats_equal_a_float_cache_of_their_values(inputs, fmt, v_fmt, mode, window, capacity):
+    """``new_cache(dtype=fmt, v_dtype=v_fmt)``: keys in one format, values in
+    another (llama.cpp's -ctk / -ctv) == a float32 cache holding each one's
+    dequantised values, to float32 rounding."""
+    prompt_x, steps_x = inputs
+    layer = CachedSelfAttention(E, 4, 2, seed=7, head_dim=32, rope_base=10000.0)
+    cache = layer.new_cache(3, capacity, dtype=fmt, v_dtype=v_fmt, mode=mode, window=window)
+    assert cache.dtype == fmt and cache.v_dtype == v_fmt
+    got = ragged_decode(layer, cache, prompt_x, PROMPTS, steps_x)
+    ref = ragged_decode(layer, DequantisingCache(fmt, 3, 2, capacity, 32, v_fmt=v_fmt, mode=mode, window=window),
+                        prompt_x, PROMPTS, steps_x)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, **TOL)
+    # and not the cache of one format for both (the values' format matters)
+    same = ragged_decode(layer, DequantisingCache(fmt, 3, 2, capacity, 32, mode=mode, window=window),
+                         prompt_x, PROMPTS, steps_x)
+    assert any(not np.allclose(a, b, **TOL) for a, b in zip(got, same))
 
 
 def test_a_refused_quantised_dtype_computes_nothing(quant_decoder, monkeypatch):

@@ -2,9 +2,10 @@
 ``import numkv`` loads.
 
 The layers, bottom to top: ``_version``; ``_config``, ``_dtypes``,
-``_validate``; what the kernels run on (``_runtime``: the thread count and
-the pool, whose compiled protocol every pool kernel calls); the kernels
-(``_kernels``: numba and llvmlite); the wrappers (``_reference``, ``_scatter``,
+``_validate``, ``_formats`` (the K/V formats' registry); what the kernels
+run on (``_runtime``: the thread count and the pool, whose compiled protocol
+every pool kernel calls); the kernels (``_kernels``: numba and llvmlite); the
+wrappers (``_reference``, ``_scatter``,
 ``_attention``, ``_quantize``); the public surfaces (``cache``, ``layers``,
 ``onnx``, ``transformers``); the package ``__init__``; the command line
 (``_cli``, ``__main__``).  A module imports only its own layer or those
@@ -23,7 +24,7 @@ PACKAGE = ROOT / "numkv"
 
 LAYERS = [
     ["numkv._version"],
-    ["numkv._config", "numkv._dtypes", "numkv._validate"],
+    ["numkv._config", "numkv._dtypes", "numkv._validate", "numkv._formats"],
     ["numkv._runtime"],
     ["numkv._kernels"],
     ["numkv._reference", "numkv._scatter", "numkv._attention", "numkv._quantize"],
@@ -126,7 +127,9 @@ def test_only_the_kernels_the_protocol_and_the_jit_factory_import_numba_or_llvml
 
 
 def test_the_package_stays_small_at_the_top():
-    assert len(list(PACKAGE.glob("*.py"))) <= 15
+    # 16: the format registry (_formats) and the packed / paged wrappers
+    # (_varlen) joined in one round; the next module needs a subpackage.
+    assert len(list(PACKAGE.glob("*.py"))) <= 16
 
 
 def test_import_numkv_is_light_and_the_command_line_imports_no_peer():
@@ -156,3 +159,73 @@ def test_the_rules_see_a_lazy_upward_import():
     assert found == {"numpy", "numkv._cli.timing", "numkv._config"}
     assert upward("numkv._attention", ["numkv._cli.timing", "numkv._config"]) == [
         "numkv._attention (layer 4) imports numkv._cli.timing (layer 7)"]
+
+
+# -- the K/V formats: one registry (numkv._formats), no hand-kept lists --------------------
+
+
+def _format_names():
+    """The registry's format names that are not also a NumPy / ml_dtypes
+    dtype name (``int8``, ``int4`` are both: a dtype list may hold them)."""
+    import ml_dtypes
+    import numpy as np
+
+    from numkv._formats import NAMES
+
+    def is_dtype(name):
+        try:
+            np.dtype(getattr(ml_dtypes, name, name))
+        except TypeError:
+            return False
+        return True
+
+    return {name for name in NAMES if not is_dtype(name)}
+
+
+def hard_coded_formats(path, source=None, names=None):
+    """``(line, what)`` where a module spells format names as data: a tuple,
+    list, set or dict literal holding one, or a comparison with one (``fmt
+    == "q8_0"``, ``fmt in ("q8_0", ...)``) -- the lists and branches the
+    registry's records replace.  Docstrings, messages and comments may name
+    formats."""
+    names = _format_names() if names is None else names
+    found = []
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+
+    def named(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict):
+            items = [key for key in node.keys if key is not None]
+        elif isinstance(node, ast.Compare):
+            items = [node.left, *node.comparators]
+        else:
+            continue
+        hits = [item.value for item in items if named(item)]
+        if hits:
+            found.append((node.lineno, f"{type(node).__name__} with {', '.join(hits)}"))
+    return found
+
+
+def test_no_module_hard_codes_a_format_list():
+    """Caches, checks, bench cases, warmup groups, demo choices and the
+    transformers dtypes take their formats from ``numkv._formats``; only the
+    registry spells them as data."""
+    bad = [f"{name}:{line}: {what}" for name, path in MODULES.items() if name != "numkv._formats"
+           for line, what in hard_coded_formats(path)]
+    bad += [f"asv_benchmarks/{path.name}:{line}: {what}" for path in sorted((ROOT / "asv_benchmarks").glob("*.py"))
+            if path.name != "_common.py"  # (its fallback: the formats of a numkv before the registry)
+            for line, what in hard_coded_formats(path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_format_list_check_can_fail():
+    names = _format_names()
+    assert {"q8_0", "q4_0", "q4_1"} <= names and "int8" not in names
+    for source in ('FORMATS = ("q8_0", "q4_0")\n', 'if fmt == "q4_1":\n    pass\n',
+                   'ok = fmt in ["q8_0"]\n', 'BYTES = {"q4_0": 18}\n'):
+        assert hard_coded_formats(PACKAGE / "cache.py", source), source
+    assert not hard_coded_formats(PACKAGE / "cache.py", '"""a q8_0 cache"""\nx = f"{fmt} like q8_0"\n')

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from numkv import _config
+from numkv._formats import BLOCK_FORMATS, FORMATS as FORMAT_RECORDS
 from numkv._quantize import BLOCK, QuantizedArray, quantize
 
-FORMATS = ["q8_0", "q4_0", "int8", "int4"]
-BLOCK_FORMATS = ["q8_0", "q4_0"]
+FORMATS = list(FORMAT_RECORDS)
+BLOCK_FORMATS = list(BLOCK_FORMATS)
 QMAX = {"q8_0": 127, "q4_0": 7}
 
 
@@ -43,29 +44,64 @@ def _block_scales(q):
     return q.scales.astype(np.float64)[..., None]
 
 
+def _one_step_down(h):
+    """The float16 magnitudes one step below ``|h|`` (0 stays 0)."""
+    h = np.abs(h).astype(np.float16)
+    return np.where(h > 0, np.nextafter(h, np.float16(0)), h).astype(np.float64)
+
+
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 def test_block_formats_are_within_half_a_step(fmt, dtype):
     rng = np.random.default_rng(zlib.crc32(f"{fmt}{dtype}".encode()))
     x = _blocky(rng, (3, 4, 50, 128))
-    if dtype == "float16":
+    f = FORMAT_RECORDS[fmt]
+    if dtype == "float16" or f.minimum:  # (a minimum is a float16 itself)
         x = np.clip(x, -60000, 60000)
     x = x.astype(getattr(ml_dtypes, dtype, dtype))
     q = quantize(x, fmt)
     wide = x.astype(np.float64).reshape(q.scales.shape + (BLOCK,))
     d = _block_scales(q)
+    step = np.abs(d)
     deq = q.dequantize(np.float64).reshape(wide.shape)
     err = np.abs(wide - deq)
-    assert (err <= d / 2).all(), float((err - d / 2).max())
-    # the scale is amax / qmax to within one float16 step, never below what amax needs
+    assert (err <= step / 2).all(), float((err - step / 2).max())
     amax = np.abs(wide).max(-1, keepdims=True)
-    qmax = QMAX[fmt]
-    assert ((qmax + 0.5) * d >= amax).all()
-    # (a rounding and a bump: under 1.5 float16 steps, relative 2**-10 each; 2**-24 absolute among subnormals)
-    assert (d <= amax / qmax * (1 + 2.0 ** -9) + 2.0 ** -24).all()
-    assert ((d == 0) == (amax == 0)).all()
-    # dequantising in float32 is exact (code: <= 8 bits, scale: float16)
-    assert np.array_equal(q.dequantize().astype(np.float64), q.dequantize(np.float64))
+    lo, hi = f.code_range
+    if f.quantiser == "symmetric":
+        # the scale is amax / qmax to within one float16 step, never below what amax needs
+        qmax = QMAX[fmt]
+        assert (d >= 0).all() and ((qmax + 0.5) * d >= amax).all()
+        # (a rounding and a bump: under 1.5 float16 steps, relative 2**-10 each; 2**-24 absolute among subnormals)
+        assert (d <= amax / qmax * (1 + 2.0 ** -9) + 2.0 ** -24).all()
+        assert ((d == 0) == (amax == 0)).all()
+    elif f.quantiser == "signed":
+        # the largest magnitude takes the lo end: d's sign is the other one (llama.cpp's q4_0)
+        extreme = np.take_along_axis(wide, np.argmax(np.abs(wide), -1)[..., None], -1)
+        assert (d * extreme <= 0).all() and ((d == 0) == (amax == 0)).all()
+        opposite = np.where(wide * extreme < 0, np.abs(wide), 0).max(-1, keepdims=True)
+        assert ((-lo + 0.5) * step >= amax).all() and ((hi + 0.5) * step >= opposite).all()
+        # llama.cpp's step (amax / 8 in float16: the extreme exactly at -8) where the opposite
+        # extreme stays within half a step of 7; else the finest float16 that keeps it there
+        llama = (amax / -lo).astype(np.float16).astype(np.float64)
+        keeps = ((amax / -lo >= opposite / (hi + 0.5)) & (llama * (hi + 0.5) >= opposite)
+                 & (llama * (-lo + 0.5) >= amax))  # (among float16's subnormals amax / 8 may round too far down)
+        assert (step == llama)[keeps].all()
+        down = _one_step_down(d)  # elsewhere the finest: a step less breaks a bound
+        assert (((hi + 0.5) * down < opposite) | ((-lo + 0.5) * down < amax))[~keeps].all()
+        assert (~keeps).any() and keeps.any()
+    else:  # affine: the minimum rounded down, the step the spread over the codes (as symmetric's)
+        m = q.minima.astype(np.float64)[..., None]
+        low, high = wide.min(-1, keepdims=True), wide.max(-1, keepdims=True)
+        assert (m <= low).all() and (d >= 0).all()
+        up = np.nextafter(q.minima, np.float16(np.inf)).astype(np.float64)[..., None]
+        assert (up > low).all()
+        assert ((hi + 0.5) * d >= high - m).all()
+        assert (d <= (high - m) / hi * (1 + 2.0 ** -9) + 2.0 ** -24).all()
+        assert ((d == 0) == (high == m)).all()
+    if not f.minimum:
+        # dequantising in float32 is exact (code: <= 8 bits, scale: float16)
+        assert np.array_equal(q.dequantize().astype(np.float64), q.dequantize(np.float64))
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -79,7 +115,7 @@ def test_the_bound_can_fail(fmt):
     llama_d = 1.0 / -8
     llama_codes = np.clip(np.rint(x / llama_d), -8, 7)
     assert np.abs(x - llama_codes * llama_d).max() > abs(llama_d) / 2
-    assert np.abs(x - q.dequantize(np.float64)).max() <= d / 2
+    assert np.abs(x - q.dequantize(np.float64)).max() <= abs(d) / 2
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -147,6 +183,8 @@ def test_the_kernels_blocks_equal_the_numpy_path_bit_for_bit(fmt, dtype, monkeyp
     rng = np.random.default_rng(3)
     x = _blocky(rng, (64, 8, 3 * BLOCK))
     x.reshape(-1, BLOCK)[5::11] *= np.float32(60000.0 / 10 ** 4)  # scales near float16's largest
+    if FORMAT_RECORDS[fmt].minimum:  # minima near float16's largest (a minimum is a float16)
+        x = np.clip(x, -65280, 65280)  # (65280: a bfloat16 too)
     x = x.astype(getattr(ml_dtypes, dtype, dtype))
     with np.errstate(over="ignore", invalid="ignore"):
         finite = np.isfinite(x.astype(np.float64)).all(axis=-1)
@@ -156,22 +194,34 @@ def test_the_kernels_blocks_equal_the_numpy_path_bit_for_bit(fmt, dtype, monkeyp
     assert np.array_equal(kernel, quantize(x, fmt).storage)
 
 
+# The largest magnitude of a block of ones and one negative extreme that
+# each quantiser takes: symmetric, from ``amax = 65520 * qmax`` on ``amax /
+# qmax`` rounds to float16's inf (65520: float16's largest, 65504, plus half
+# its last step), one float64 step below the scale is 65504, which holds the
+# block within half a step (``65504 * (qmax + 1/2)`` is more); signed, the
+# same with ``amax / 8``;
+# affine, the minimum is a float16 itself.
+_LARGEST = {"symmetric": lambda f: np.nextafter(65520.0 * f.qmax, 0),
+            "signed": lambda f: np.nextafter(65520.0 * -f.code_range[0], 0),
+            "affine": lambda f: 65504.0}
+
+
 @pytest.mark.parametrize("reference", [False, True], ids=["kernel", "numpy"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_a_block_beyond_a_float16_scale_is_refused_naming_it(fmt, reference, monkeypatch):
-    """From ``amax = 65520 * qmax`` on, ``amax / qmax`` rounds to float16's
-    inf (65520: float16's largest, 65504, plus half its last step); one
-    float64 step below, the scale is 65504, which holds the block within
-    half a step (``65504 * (qmax + 1/2)`` is more)."""
     monkeypatch.setattr(_config, "REFERENCE", reference)
-    limit = 65520.0 * QMAX[fmt]
+    f = FORMAT_RECORDS[fmt]
+    largest = _LARGEST[f.quantiser](f)
     x = np.ones((2, 3, 64))
-    x[1, 2, 40] = -np.nextafter(limit, 0)
-    assert quantize(x, fmt).scales[1, 2, 1] == np.float16(65504)
-    for big in (limit, np.nextafter(limit, np.inf), 1e300):
+    x[1, 2, 40] = -largest
+    q = quantize(x, fmt)
+    assert abs(q.scales[1, 2, 1]) == np.float16(65504) or q.minima[1, 2, 1] == np.float16(-65504)
+    assert np.abs(q.dequantize(np.float64) - x).max() <= abs(float(q.scales[1, 2, 1])) / 2
+    words = f"beyond what a float16 scale{' or minimum' if f.minimum else ''} holds"
+    for big in (np.nextafter(largest, np.inf), 2 * largest, 1e300):
         x[1, 2, 40] = -big
         with pytest.raises(ValueError, match=re.escape(f"x has a block of {fmt} at (1, 2, 1) with largest magnitude "
-                                                       f"{float(big)!r}, beyond what a float16 scale holds")):
+                                                       f"{float(big)!r}, {words}")):
             quantize(x, fmt)
     x[0, 1, 7] = np.nan  # a value that is not finite is named first, wherever it is
     with pytest.raises(ValueError, match=r"x holds nan \(at \(0, 1, 7\)\)"):
@@ -234,7 +284,7 @@ def test_storage_per_element(fmt):
     x = np.ones((1, 8, 4096, 128), np.float32)
     q = quantize(x, fmt, scale=None if fmt in BLOCK_FORMATS else np.ones((1, 8, 1, 128), np.float32))
     per_element = q.nbytes / x.size
-    limit = {"q8_0": 34 / 32, "q4_0": 18 / 32, "int8": 1 + 1e-3, "int4": 0.5 + 1e-3}[fmt]
+    limit = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "int8": 1 + 1e-3, "int4": 0.5 + 1e-3}[fmt]
     assert per_element <= limit, per_element
 
 
@@ -269,7 +319,9 @@ def test_slices_are_views_and_dequantize_alike(fmt, key, rng):
         assert np.shares_memory(part.codes, q.storage)
     if fmt in BLOCK_FORMATS:
         assert np.array_equal(part.scales, q.scales[key])
-        assert part.nbytes == want.size // BLOCK * (34 if fmt == "q8_0" else 18)
+        assert part.nbytes == want.size // BLOCK * {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+        if FORMAT_RECORDS[fmt].minimum:
+            assert np.array_equal(part.minima, q.minima[key])
 
 
 @pytest.mark.parametrize("key, error", [
@@ -285,7 +337,7 @@ def test_slicing_the_head_axis_or_fancy_indexing_is_refused(key, error, rng):
 def test_from_parts_round_trips(rng):
     for fmt in FORMATS:
         _, q = _example(fmt, rng)
-        back = QuantizedArray.from_parts(fmt, q.codes, q.scales)
+        back = QuantizedArray.from_parts(fmt, q.codes, q.scales, q.minima)
         assert back.shape == q.shape and np.array_equal(back.dequantize(), q.dequantize())
         assert np.array_equal(back.storage, q.storage)
 
@@ -325,6 +377,17 @@ def test_from_parts_round_trips(rng):
      ValueError, "scales"),
     (lambda x: QuantizedArray.from_parts("int4", np.zeros((1, 2, 3, 4), np.uint8), np.float32(np.nan)),
      ValueError, "scales"),
+    (lambda x: QuantizedArray.from_parts("q4_1", np.zeros((2, 16), np.uint8), np.zeros(2, np.float16)),
+     ValueError, "minima"),
+    (lambda x: QuantizedArray.from_parts("q8_0", np.zeros((2, 32), np.int8), np.zeros(2, np.float16),
+                                         np.zeros(2, np.float16)), ValueError, "minima"),
+    (lambda x: QuantizedArray.from_parts("q4_1", np.zeros((2, 16), np.uint8), np.zeros(2, np.float16),
+                                         np.zeros(3, np.float16)), ValueError, "minima"),
+    (lambda x: QuantizedArray.from_parts("q4_1", np.zeros((2, 16), np.uint8), np.zeros(2, np.float16),
+                                         np.full(2, np.inf, np.float16)), ValueError, "minima"),
+    (lambda x: QuantizedArray.from_parts("q8_0", np.zeros((2, 32), np.int8), -np.ones(2, np.float16)),
+     ValueError, "scales"),
+    (lambda x: quantize(x * 1e5, "q4_1"), ValueError, "float16"),
     (lambda x: quantize(x, "q8_0").dequantize(np.int8), TypeError, "dtype"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_refused_with_a_message_naming_it(call, error, words):
@@ -361,15 +424,20 @@ def test_the_tile_widening_gives_the_dequantised_values(fmt, f16c):
     width = 1024 if fmt in BLOCK_FORMATS else 1000
     x = (rng.standard_normal((3, width)) * 10.0 ** rng.uniform(-6, 3, (3, 1))).astype(np.float32)
     q = quantize(x, fmt, scale=None if fmt in BLOCK_FORMATS else np.float32(1.0) / 16)
-    want = q.dequantize(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
+    # (float32 values: a minimum's sum rounds once there; without one, exact)
+    want = q.dequantize().astype(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
     storage = np.ascontiguousarray(q.storage).view(np.uint8)
     row_bytes = storage.shape[-1]
-    code = layout.Q8_0 + layout.QUANT_FORMATS.index(fmt)
-    kernel = njit(widen._rows_quantized.py_func)
+    code = FORMAT_RECORDS[fmt].code
+
+    @njit  # ``code`` a constant of it, as in format_loops' functions
+    def kernel(out, r0, n, width, buf, base, seq_stride, stride, table, formats):
+        widen._rows_quantized(out, r0, n, width, buf, code, base, seq_stride, stride, table, formats)
+
     with cpu.forcing(f16c=f16c):
         for dtype in (np.float32, np.float64):
             out = np.full((4, width), -1.0, dtype)
-            kernel(out, np.int64(1), np.int64(3), np.int64(width), storage.reshape(-1), np.int64(code),
+            kernel(out, np.int64(1), np.int64(3), np.int64(width), storage.reshape(-1),
                    np.int64(0), np.int64(row_bytes), np.int64(1), e8m0_table(), layout.FORMAT_TABLE)
             assert (out[0] == -1).all()
             assert np.array_equal(out[1:], want), (dtype, np.abs(out[1:] - want).max())
@@ -393,10 +461,11 @@ def test_decode_loops_read_quantized_rows_in_place(fmt, f16c):
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((8, d)) * 10.0 ** rng.uniform(-3, 2, (8, 1))).astype(np.float32)
     q = quantize(x, fmt, scale=None if fmt in BLOCK_FORMATS else np.float32(1.0) / 16)
-    want = q.dequantize(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
+    # (float32 values: a minimum's sum rounds once there; without one, exact)
+    want = q.dequantize().astype(np.float64) if fmt in BLOCK_FORMATS else _exact_dequantize(q) * 16
     storage = np.ascontiguousarray(q.storage).view(np.uint8)
     ld = np.uint64(storage.shape[-1])
-    code = layout.Q8_0 + layout.QUANT_FORMATS.index(fmt)
+    code = FORMAT_RECORDS[fmt].code
     query = rng.standard_normal((4, d)).astype(np.float32)
 
     @njit  # ``code`` a constant of it, as in format_loops' functions
@@ -690,17 +759,29 @@ def test_scatter_refuses_another_format_or_scale(rng):
         numkv.tensor_scatter(cache, update, axis=2, out=cache.dequantize())
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_static_cache_quantises_on_append_and_decodes_like_the_dequantised_cache(fmt, rng):
+# K and V formats of a cache: each block format for both, then mixed (llama.cpp's -ctk / -ctv)
+KV_FORMATS = [(fmt, fmt) for fmt in BLOCK_FORMATS] + [("q8_0", "q4_0"), ("q4_1", "q8_0"), ("q4_0", "float32")]
+BYTES_PER_32 = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "float32": 128}
+
+
+def _stored(x, fmt):
+    """What a cache of ``fmt`` holds of the float32 ``x``, as float32."""
+    return x if fmt == "float32" else quantize(x, fmt).dequantize()
+
+
+@pytest.mark.parametrize("fmt, v_fmt", KV_FORMATS, ids=[f"{k}-{v}" for k, v in KV_FORMATS])
+def test_static_cache_quantises_on_append_and_decodes_like_the_dequantised_cache(fmt, v_fmt, rng):
     b, hkv, hq, d, cap = 2, 2, 8, 64, 40
-    cache = numkv.StaticKVCache(b, hkv, cap, d, dtype=fmt)
-    assert cache.nbytes == 2 * b * hkv * cap * d // BLOCK * (34 if fmt == "q8_0" else 18)
+    cache = numkv.StaticKVCache(b, hkv, cap, d, dtype=fmt, v_dtype=v_fmt)
+    assert cache.dtype == fmt and cache.v_dtype == v_fmt
+    assert cache.nbytes == b * hkv * cap * d // BLOCK * (BYTES_PER_32[fmt] + BYTES_PER_32[v_fmt])
     keys = rng.standard_normal((b, hkv, 12, d)).astype(np.float32)
     values = rng.standard_normal((b, hkv, 12, d)).astype(np.float32)
     q = rng.standard_normal((b, hq, 12, d)).astype(np.float32)
     # a prefill of 9 tokens, then decode steps of one
     k_view, v_view = cache.append(keys[:, :, :9], values[:, :, :9])
     assert isinstance(k_view, QuantizedArray) and k_view.shape == (b, hkv, 9, d)
+    assert isinstance(v_view, QuantizedArray) == (v_fmt != "float32")
     ys = [numkv.attention(q[:, :, :9], **cache.attention_inputs())]
     for t in range(9, 12):
         cache.append(keys[:, :, t:t + 1], values[:, :, t:t + 1])
@@ -708,25 +789,25 @@ def test_static_cache_quantises_on_append_and_decodes_like_the_dequantised_cache
     k_all, v_all = cache.get()
     assert isinstance(k_all, QuantizedArray) and np.shares_memory(k_all.storage, cache.key_buffer.storage)
     # each token's blocks quantised on their own: the cache holds quantize(keys)
-    assert np.array_equal(k_all.dequantize(), quantize(keys, fmt).dequantize())
-    assert np.array_equal(v_all.dequantize(), quantize(values, fmt).dequantize())
-    want = numkv.attention(q, k_all.dequantize(), v_all.dequantize(), is_causal=True)
+    assert np.array_equal(k_all.dequantize(), _stored(keys, fmt))
+    assert np.array_equal(v_all if v_fmt == "float32" else v_all.dequantize(), _stored(values, v_fmt))
+    want = numkv.attention(q, _stored(keys, fmt), _stored(values, v_fmt), is_causal=True)
     np.testing.assert_allclose(np.concatenate(ys, axis=2), want, rtol=ATTN_TOL, atol=ATTN_TOL)
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_a_circular_quantised_cache_decodes_like_a_float_one_holding_the_same_values(fmt, rng):
+@pytest.mark.parametrize("fmt, v_fmt", KV_FORMATS, ids=[f"{k}-{v}" for k, v in KV_FORMATS])
+def test_a_circular_quantised_cache_decodes_like_a_float_one_holding_the_same_values(fmt, v_fmt, rng):
     """A sliding-window ring (its attention_inputs() a mask over slots):
     quantised, and float32 holding the dequantised keys and values, give the
     same bits through a prefill, the ring's wrap, a crop and more steps."""
     b, hkv, hq, d = 2, 2, 8, 64
-    cache = numkv.StaticKVCache(b, hkv, 16, d, dtype=fmt, mode="circular", window=12)
+    cache = numkv.StaticKVCache(b, hkv, 16, d, dtype=fmt, v_dtype=v_fmt, mode="circular", window=12)
     plain = numkv.StaticKVCache(b, hkv, 16, d, dtype=np.float32, mode="circular", window=12)
     for t in range(30):
         n = 5 if t == 0 else 1
         k, v = (rng.standard_normal((b, hkv, n, d)).astype(np.float32) for _ in range(2))
         cache.append(k, v)
-        plain.append(quantize(k, fmt).dequantize(), quantize(v, fmt).dequantize())
+        plain.append(_stored(k, fmt), _stored(v, v_fmt))
         if t == 20:
             cache.crop(-3)
             plain.crop(-3)
@@ -735,6 +816,7 @@ def test_a_circular_quantised_cache_decodes_like_a_float_one_holding_the_same_va
         assert np.array_equal(numkv.attention(q, **cache.attention_inputs()),
                               numkv.attention(q, **plain.attention_inputs()))
     assert "dtype=" + fmt in repr(cache) and cache.dtype == fmt
+    assert ("v_dtype=" + v_fmt in repr(cache)) == (v_fmt != fmt)
 
 
 def test_quantised_cache_refuses_what_it_cannot_hold(rng):
@@ -751,6 +833,19 @@ def test_quantised_cache_refuses_what_it_cannot_hold(rng):
     with pytest.raises(ValueError, match="key"):
         cache.append(np.full((1, 2, 1, 64), np.inf, np.float32), np.zeros((1, 2, 1, 64), np.float32))
     assert np.array_equal(cache.key_buffer.storage, before) and cache.seq_len == 0
+    # separate K and V formats: v_dtype named, checked, and a bad value leaves both buffers as they were
+    with pytest.raises(ValueError, match="v_head_dim"):
+        numkv.StaticKVCache(1, 2, 8, 64, v_head_dim=48, dtype=np.float32, v_dtype="q4_1")
+    with pytest.raises(TypeError, match="v_dtype"):
+        numkv.StaticKVCache(1, 2, 8, 64, dtype="q8_0", v_dtype="q5_0")
+    mixed = numkv.StaticKVCache(1, 2, 8, 64, dtype="q8_0", v_dtype=np.float16)
+    k_before, v_before = mixed.key_buffer.storage.copy(), mixed.value_buffer.copy()
+    with pytest.raises(TypeError, match="value"):  # float16 values, no cast
+        mixed.append(np.zeros((1, 2, 1, 64), np.float32), np.zeros((1, 2, 1, 64), np.float32))
+    with pytest.raises(ValueError, match="key"):
+        mixed.append(np.full((1, 2, 1, 64), np.nan, np.float32), np.zeros((1, 2, 1, 64), np.float16))
+    assert np.array_equal(mixed.key_buffer.storage, k_before) and np.array_equal(mixed.value_buffer, v_before)
+    assert mixed.seq_len == 0
 
 
 # -- onnxruntime's GroupQueryAttention reads and writes the same codes --------------

@@ -305,8 +305,9 @@ class _FloatAsQuantised(numkv.StaticKVCache):
     handed to the model, the buffers read by numkv's attention function)
     runs and its results can be compared with eager's."""
 
-    def __init__(self, *args, dtype, **kwargs):
-        super().__init__(*args, dtype=np.float32 if dtype == "q8_0" else dtype, **kwargs)
+    def __init__(self, *args, dtype, v_dtype=None, **kwargs):
+        super().__init__(*args, dtype=np.float32 if dtype == "q8_0" else dtype,
+                         v_dtype=np.float32 if v_dtype == "q8_0" else v_dtype, **kwargs)
 
 
 def test_quantised_path_reads_the_cache_not_the_tensors(monkeypatch):
@@ -325,6 +326,44 @@ def test_quantised_path_reads_the_cache_not_the_tensors(monkeypatch):
         eager = model("qwen2-sliding", "eager")
         logits = eager(input_ids=IDS, attention_mask=MASK, cache=nt.KVCache(m.config, 2, 32, dtype="q8_0")).logits
     assert torch.isnan(logits).all()
+
+
+class _DequantisingStatic(numkv.StaticKVCache):
+    """A float32 StaticKVCache holding what a quantised one of ``dtype`` /
+    ``v_dtype`` would: each append quantised and dequantised (the oracle)."""
+
+    def __init__(self, *args, dtype, v_dtype=None, **kwargs):
+        super().__init__(*args, dtype=np.float32, **kwargs)
+        self.formats = dtype, dtype if v_dtype is None else v_dtype
+
+    def append(self, key, value, lengths=None):
+        k_fmt, v_fmt = self.formats
+        return super().append(numkv.quantize(key, k_fmt).dequantize(), numkv.quantize(value, v_fmt).dequantize(),
+                              lengths)
+
+
+@pytest.mark.parametrize("dtype, v_dtype", [("q8_0", "q4_0"), ("q4_1", None), ("q4_0", "q4_1")])
+def test_a_quantised_kvcache_equals_attention_over_its_dequantised_values(dtype, v_dtype, monkeypatch):
+    """KVCache(dtype=, v_dtype=) under numkv's attention (keys and values
+    read quantised, in place) == the same model over float32 caches of the
+    dequantised keys and values, to float tolerance; and the values' format
+    is the one asked for (over a cache of ``dtype`` for both, the logits move)."""
+    cfg = LlamaConfig(num_hidden_layers=2, **dict(SMALL, hidden_size=256))  # head_dim 32: a block
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    assert m.config._attn_implementation == NAME
+    cache = nt.KVCache(m.config, 2, 32, dtype=dtype, v_dtype=v_dtype)
+    assert cache.dtype == dtype and cache.v_dtype == (v_dtype or dtype) and cache.layers[0].quantised
+    assert cache.nbytes == sum(layer.cache.nbytes for layer in cache.layers)
+    with torch.no_grad():
+        got = m(input_ids=IDS, attention_mask=MASK, cache=cache).logits
+        monkeypatch.setattr(nt, "StaticKVCache", _DequantisingStatic)
+        want = m(input_ids=IDS, attention_mask=MASK, cache=nt.KVCache(m.config, 2, 32, dtype=dtype,
+                                                                        v_dtype=v_dtype)).logits
+        one = m(input_ids=IDS, attention_mask=MASK, cache=nt.KVCache(m.config, 2, 32, dtype=dtype)).logits
+    assert float((got - want).abs().max()) < TOL
+    if v_dtype not in (None, dtype):
+        assert float((got - one).abs().max()) > TOL
 
 
 def _pointer(array):

@@ -2,13 +2,16 @@
 process (the machines here are shared: separate runs differ by more than
 the changes measured).
 
-    python tools/ab_decode.py REV [THREADS SKV D HQ,HKV DTYPE]
+    python tools/ab_decode.py REV [THREADS SKV D HQ,HKV DTYPE SQ]
     python tools/ab_decode.py 71ca7e5 2 16384 128 32,8 float32
+    python tools/ab_decode.py cfc22cf 2 2048 128 32,8 float32 2048   # causal prefill
 
 REV's ``numkv`` package is copied (``git archive``) into a temporary
 directory as ``numkv_base`` (its imports renamed), so both load side by
 side, each with its own kernels and disk cache; calls alternate, medians
-are compared.  ``DTYPE``: float32, an ml_dtypes name, q8_0 or q4_0.
+are compared.  ``DTYPE``: float32, an ml_dtypes name, q8_0 or q4_0 (K/V;
+a prefill's Q too, but for the quantised formats).  ``SQ`` > 1: a causal
+prefill of ``SQ`` queries over the ``SKV`` keys.
 """
 
 import pathlib
@@ -47,12 +50,13 @@ def main():
     threads, skv, d = (int(x) for x in (sys.argv[2:5] + ["2", "16384", "128"][len(sys.argv[2:5]):]))
     hq, hkv = (int(x) for x in (sys.argv[5] if len(sys.argv) > 5 else "32,8").split(","))
     fmt = sys.argv[6] if len(sys.argv) > 6 else "float32"
+    sq = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     sys.path.insert(0, str(ROOT))
     import numkv
 
     base = load_base(rev)
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, hq, 1, d), dtype=np.float32)
+    q = rng.standard_normal((1, hq, sq, d), dtype=np.float32)
     k, v = (rng.standard_normal((1, hkv, skv, d), dtype=np.float32) for _ in "kv")
     runs = []
     for mod in (numkv, base):
@@ -66,15 +70,22 @@ def main():
         else:
             kk, vv = k, v
         runs.append((mod, kk, vv))
-    assert np.array_equal(runs[0][0].attention(q, runs[0][1], runs[0][2]), base.attention(q, runs[1][1], runs[1][2]))
+    if sq > 1 and fmt not in ("float32", "q8_0", "q4_0"):
+        import ml_dtypes
+
+        q = q.astype(getattr(ml_dtypes, fmt, fmt))
+    causal = sq > 1
+    assert np.array_equal(runs[0][0].attention(q, runs[0][1], runs[0][2], is_causal=causal),
+                          base.attention(q, runs[1][1], runs[1][2], is_causal=causal))
     times = ([], [])
-    for _ in range(max(5, int(3e5 / skv))):
+    for _ in range(max(5, int(3e5 / (skv * sq)))):
         for (mod, kk, vv), out in zip(runs, times):
             start = time.perf_counter()
-            mod.attention(q, kk, vv)
+            mod.attention(q, kk, vv, is_causal=causal)
             out.append(time.perf_counter() - start)
     now, before = (sorted(t)[len(t) // 2] for t in times)
-    print(f"{fmt} decode Hq={hq} Hkv={hkv} D={d} Skv={skv}, {threads} threads: now {now * 1e6:.0f} us, "
+    kind = f"causal prefill Sq={sq}" if causal else "decode"
+    print(f"{fmt} {kind} Hq={hq} Hkv={hkv} D={d} Skv={skv}, {threads} threads: now {now * 1e6:.0f} us, "
           f"{rev} {before * 1e6:.0f} us, now / before {now / before:.3f}")
 
 

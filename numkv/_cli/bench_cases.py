@@ -52,6 +52,7 @@ from typing import Callable, Optional
 import numpy as np
 
 import numkv
+from numkv import _formats
 
 # Score matrices larger than these (elements) are not materialised: the
 # reference at 2**23 (32 MiB of float32) already takes about a second.
@@ -629,11 +630,12 @@ def scatter_cases(threads=None):
 # -- quantised K/V (issue 28): decode over QuantizedArray K and V ----------------------------
 #
 # The decode workload ``decode(QUANTIZED_DECODE_LEN)`` with K and V quantised
-# (``numkv.quantize``): q8_0 / q4_0 blocks, int8 / int4 with a per-channel
-# scale (``|x|.max`` over batch and sequence per head and channel / qmax).
+# (``numkv.quantize``, every format of ``numkv._formats``): the block
+# formats' blocks, the given-scale formats with a per-channel scale
+# (``|x|.max`` over batch and sequence per head and channel / the code range's top).
 # Its work is the bytes actually read: codes and scales (``nbytes``), Q and
 # Y.  Beside numkv: numkv's float32 call over the dequantised values (the
-# same function: ``max|dY|`` is rounding) and, for int8 / int4,
+# same function: ``max|dY|`` is rounding) and, for the formats of its layout,
 # onnxruntime's ``GroupQueryAttention`` (com.microsoft) with its quantised
 # cache in the same codes and scales: a decode step appending the last
 # token (which it quantises to numkv's very codes) to a cache of
@@ -641,14 +643,14 @@ def scatter_cases(threads=None):
 # present (no copy of the cache a step).
 
 QUANTIZED_DECODE_LEN = 16384
-QUANTIZED_FORMATS = ("q8_0", "q4_0", "int8", "int4")
+QUANTIZED_FORMATS = _formats.NAMES
 
 
 def quantized_decode_cases(threads=None, peers=PEERS, kv_len=QUANTIZED_DECODE_LEN):
     cases = []
     for fmt in QUANTIZED_FORMATS:
         w = decode(kv_len)
-        kind = " per channel" if fmt in ("int8", "int4") else ""
+        kind = "" if _formats.FORMATS[fmt].derived else " per channel"
         title = (f"attention: decode, B={w.batch} Hq={w.q_heads} Hkv={w.kv_heads} D={w.head_size} "
                  f"Skv={w.kv_len}, numkv in Q float32, K/V {fmt}{kind} (numkv.quantize)")
         cases.append(Case(f"decode-Skv{w.kv_len}-kv-{fmt}", title,
@@ -658,9 +660,9 @@ def quantized_decode_cases(threads=None, peers=PEERS, kv_len=QUANTIZED_DECODE_LE
 
 def _quantized_inputs(w, fmt):
     q, k, v = inputs(w)
-    if fmt in ("q8_0", "q4_0"):
+    if _formats.FORMATS[fmt].derived:
         return q, numkv.quantize(k, fmt), numkv.quantize(v, fmt), None, None
-    qmax = 127 if fmt == "int8" else 7
+    qmax = _formats.FORMATS[fmt].code_range[1]
     k_scale = (np.abs(k).max(axis=(0, 2), keepdims=True) / qmax).astype(np.float32)
     v_scale = (np.abs(v).max(axis=(0, 2), keepdims=True) / qmax).astype(np.float32)
     return q, numkv.quantize(k, fmt, scale=k_scale), numkv.quantize(v, fmt, scale=v_scale), (k, v), (k_scale, v_scale)
@@ -674,7 +676,7 @@ def _quantized_impls(w, fmt, threads, peers):
     k32, v32 = qk.dequantize(), qv.dequantize()
     impls.append(Impl("numkv attention (float32, the dequantised K/V)", "numkv",
                       lambda: numkv.attention(q, k32, v32), w.work("float32", "float32")))
-    if fmt in ("int8", "int4") and "onnxruntime" in peers and have("onnxruntime") and have("onnx"):
+    if _formats.FORMATS[fmt].onnxruntime_bits and "onnxruntime" in peers and have("onnxruntime") and have("onnx"):
         impls.append(_ort_gqa_impl(w, fmt, q, qk, qv, floats, scales, threads,
                                    float(qk.nbytes + qv.nbytes + q.nbytes + y_bytes)))
     return impls
@@ -691,13 +693,14 @@ def _ort_gqa_impl(w, fmt, q, qk, qv, floats, scales, threads, work):
         from onnx import TensorProto, helper
 
         b, hq, hkv, skv, d = w.batch, w.q_heads, w.kv_heads, w.kv_len, w.head_size
-        code_type = TensorProto.INT8 if fmt == "int8" else TensorProto.UINT8
+        bits = _formats.FORMATS[fmt].onnxruntime_bits
+        code_type = TensorProto.INT8 if bits == 8 else TensorProto.UINT8
         names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
                  "", "", "", "", "", "k_scale", "v_scale"]
         node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
                                 domain="com.microsoft", num_heads=hq, kv_num_heads=hkv,
                                 k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
-                                kv_cache_bit_width=8 if fmt == "int8" else 4)
+                                kv_cache_bit_width=bits)
         typed = [("query", TensorProto.FLOAT), ("key", TensorProto.FLOAT), ("value", TensorProto.FLOAT),
                  ("past_key", code_type), ("past_value", code_type), ("seqlens_k", TensorProto.INT32),
                  ("total_sequence_length", TensorProto.INT32), ("k_scale", TensorProto.FLOAT),

@@ -7,10 +7,13 @@ Five runs over the same ragged batch of random prompts (public API only):
 (b) ``DynamicKVCache``; (c) ``StaticKVCache`` float32 — both must give (a)'s
     tokens and, to float tolerance, its logits (exit status 1 if not);
 (d) a ``StaticKVCache`` in a low-precision dtype (bfloat16 by default) or a
-    quantised format (``--kv-dtype q8_0`` / ``q4_0``: blocks of 32 along the
-    head, so the decoder's head size must be a multiple of 32 — the default
-    size is then ``base``, the smallest preset with one); its token agreement
-    with (c), the float32 cache, and its logit drift from it are reported;
+    quantised format (``--kv-dtype``, one of ``numkv.quantize``'s block
+    formats: blocks of 32 along the head, so the decoder's head size must be
+    a multiple of 32 — the default size is then ``base``, the smallest preset
+    with one), its values in ``--v-dtype`` where given (keys and values in
+    different formats, as llama.cpp's ``-ctk`` / ``-ctv``); its token
+    agreement with (c), the float32 cache, and its logit drift from it are
+    reported;
 (e) a circular ``StaticKVCache`` with a sliding window, prefilled in chunks that
     wrap around the ring: checked against (a') a no-cache recompute with the
     same window (``left_window_size``).
@@ -22,6 +25,7 @@ import time
 import numpy as np
 
 import numkv
+from numkv import _formats
 
 # Logits agree when |a - b| <= ATOL + RTOL * max|a|: float32 sums taken in a
 # different order (one-shot vs cached, different tile splits) differ by a few
@@ -29,10 +33,10 @@ import numkv
 RTOL = 1e-4
 ATOL = 1e-4
 
-KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "q8_0", "q4_0")
 # numkv.quantize's block formats: the cache quantises each token's blocks of
-# 32 head elements on append (numkv.StaticKVCache(..., dtype="q8_0")).
-QUANTIZED = ("q8_0", "q4_0")
+# 32 head elements on append (numkv.StaticKVCache(..., dtype=<format>)).
+QUANTIZED = _formats.BLOCK_FORMATS
+KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", *QUANTIZED)
 BLOCK = 32
 SIZES = ("tiny", "small", "base")
 DEFAULT_SIZE = "small"
@@ -55,8 +59,11 @@ def add_parser(subparsers):
     p.add_argument("--threads", type=count(1, MAX_WORKERS), default=None, metavar="N",
                    help="numkv's threads (default: numkv's, one per core)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=KV_DTYPES,
-                   help="dtype of the low-precision cache (d), or a quantised format (q8_0, q4_0: "
-                        "blocks of 32, so a head size 32 divides) (default bfloat16)")
+                   help=f"dtype of the low-precision cache (d), or a quantised format ({', '.join(QUANTIZED)}: "
+                        f"blocks of 32, so a head size 32 divides) (default bfloat16)")
+    p.add_argument("--v-dtype", default=None, choices=KV_DTYPES,
+                   help="the values' own dtype or format in cache (d) (default: --kv-dtype's), e.g. "
+                        "--kv-dtype q8_0 --v-dtype q4_0")
     p.add_argument("--window", type=count(1), default=None, metavar="N",
                    help="sliding window of the circular cache (e) (default prompt-len // 2)")
     p.add_argument("--seed", type=count(0), default=0, metavar="N",
@@ -80,13 +87,23 @@ def _size(args):
     """``--size``, or its default for ``--kv-dtype``."""
     if args.size is not None:
         return args.size
-    return _quantized_size() if args.kv_dtype in QUANTIZED else DEFAULT_SIZE
+    return _quantized_size() if _quantized_option(args) else DEFAULT_SIZE
+
+
+def _quantized_option(args):
+    """``(option, format)`` of the first quantised ``--kv-dtype`` / ``--v-dtype``, or None."""
+    for option, name in (("--kv-dtype", args.kv_dtype), ("--v-dtype", getattr(args, "v_dtype", None))):
+        if name in QUANTIZED:
+            return option, name
+    return None
 
 
 def check(args):
     """What is wrong with the options together (None: nothing)."""
-    if args.kv_dtype in QUANTIZED and args.size is not None and _head_dim(args.size) % BLOCK:
-        return (f"--kv-dtype {args.kv_dtype} quantises blocks of {BLOCK} along the head, but --size "
+    quantized = _quantized_option(args)
+    if quantized and args.size is not None and _head_dim(args.size) % BLOCK:
+        option, name = quantized
+        return (f"{option} {name} quantises blocks of {BLOCK} along the head, but --size "
                 f"{args.size} has head size {_head_dim(args.size)}: use --size {_quantized_size()} "
                 f"(head size {_head_dim(_quantized_size())}), or leave --size out")
     return None
@@ -198,6 +215,8 @@ def run(args):
         raise SystemExit("demo: --batch, --prompt-len and --new-tokens must be >= 1")
     window = max(1, args.prompt_len // 2) if args.window is None else args.window
     kv_dtype = _dtype(args.kv_dtype)
+    v_name = getattr(args, "v_dtype", None)
+    v_dtype = None if v_name is None else _dtype(v_name)
     size = _size(args)
     decoder = Decoder(size, seed=args.seed)
     rng = np.random.default_rng(args.seed)
@@ -211,14 +230,16 @@ def run(args):
         ("(a) no cache (recompute prefix)", dict(cache=None), None),
         ("(b) DynamicKVCache", dict(cache="dynamic"), "a"),
         ("(c) StaticKVCache float32", dict(cache="static"), "a"),
-        (f"(d) StaticKVCache {kv_dtype}", dict(cache="static", dtype=kv_dtype), "drift vs c"),
+        (f"(d) StaticKVCache {kv_dtype}" + ("" if v_dtype is None else f" K, {v_dtype} V"),
+         dict(cache="static", dtype=kv_dtype, v_dtype=v_dtype), "drift vs c"),
         (f"(a') no cache, window {window}", dict(cache=None, window=window), None),
         (f"(e) circular StaticKVCache, window {window}", ring, "a'"),
     ]
     cfg = decoder.config
     why = ""
     if args.size is None and size != DEFAULT_SIZE:
-        why = (f"; {size}: --kv-dtype {args.kv_dtype} quantises blocks of {BLOCK} along the head, "
+        option, name = _quantized_option(args)
+        why = (f"; {size}: {option} {name} quantises blocks of {BLOCK} along the head, "
                f"{DEFAULT_SIZE}'s head size is {_head_dim(DEFAULT_SIZE)}")
     print(f"numkv demo: decoder {size!r} (embed {cfg['embed_dim']}, {cfg['num_layers']} layers, "
           f"{cfg['num_heads']} query / {cfg['num_kv_heads']} kv heads of {_head_dim(size)}, "

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 import numkv
+from numkv import _formats
 from numkv._runtime import thread_count
 from numkv._cli.compile_notice import CompileWatch
 from numkv._dtypes import is_object_dtype
@@ -113,15 +114,16 @@ def _attention_group(q_name, kv_names, softmax_precision=None):
 
 def _quantized_group():
     """Quantised K/V (``numkv.quantize``'s formats): ``numkv.attention`` over
-    q8_0, q4_0, int8 and int4 (scales per tensor and per channel) K/V with Q
+    K/V of every format of ``numkv._formats`` (the given-scale ones with scales
+    per tensor and per channel) with Q
     in every float dtype a model runs in — decode over short and long caches,
     prefill, masks, causal with a past, ``nonpad_kv_seqlen`` and windows,
     sequence slices of the codes — and the appends that fill such caches:
     ``tensor_scatter`` into a ``QuantizedArray`` (float or quantised
-    updates, linear and circular) and ``StaticKVCache(dtype="q8_0" |
-    "q4_0")`` in both modes, read through ``attention_inputs()``.  It
+    updates, linear and circular) and ``StaticKVCache`` of each block format
+    in both modes, read through ``attention_inputs()``.  It
     compiles each format's loops (``format_loops``' C functions, one set per
-    format) and the q8_0 / q4_0 quantisation (``_kernels.quantize``); alone
+    format) and the block quantisation (``_kernels.quantize``); alone
     (``--group``) it warms exactly what a quantised decoder needs."""
     rng = np.random.default_rng(0)
 
@@ -129,8 +131,11 @@ def _quantized_group():
         return (rng.standard_normal(shape) * 0.5).astype(np.float32).astype(dtype)
 
     per_channel = np.linspace(0.01, 0.04, 2 * 32, dtype=np.float32).reshape(1, 2, 1, 32)
-    for fmt, scale in (("q8_0", None), ("q4_0", None), ("int8", 0.02), ("int4", 0.3),
-                       ("int8", per_channel), ("int4", per_channel * 8)):
+    scales = [(name, None) for name in _formats.BLOCK_FORMATS]
+    for name in _formats.GIVEN_FORMATS:  # a scale per tensor, then per channel, for the code range's top
+        top = _formats.FORMATS[name].code_range[1]
+        scales += [(name, 2.5 / top), (name, per_channel * 127 / top)]
+    for fmt, scale in scales:
         for b, sq, skv in ((2, 1, 3), (2, 1, 64), (1, 1, 1500), (1, 1, 5000), (2, 4, 700), (1, 160, 160)):
             k = numkv.quantize(arr((b, 2, skv + 8, 32)), fmt, scale=scale)
             v = numkv.quantize(arr((b, 2, skv + 8, 32)), fmt, scale=scale)
@@ -151,7 +156,7 @@ def _quantized_group():
             numkv.tensor_scatter(k, update, starts, out=k)
             numkv.tensor_scatter(k, numkv.quantize(update, fmt, scale=scale), starts - 6, mode="circular", out=k)
             numkv.tensor_scatter(k, update, starts)
-    for fmt in ("q8_0", "q4_0"):
+    for fmt in _formats.BLOCK_FORMATS:
         for mode, window in (("linear", None), ("circular", 24)):
             for b, capacity in ((2, 40), (4, 2048)):
                 cache = numkv.StaticKVCache(b, 2, capacity, 64, dtype=fmt, v_head_dim=32, mode=mode,

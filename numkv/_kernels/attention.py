@@ -131,7 +131,7 @@ from .widen import _kv_tile, _widen_rows_of
 PAGE_SIZE = len(INT_FIELDS)
 PAGES = PAGE_SIZE + 1
 
-HELPERS_SHA256 = "c578aac05e8b72d738017d4fc298084fb507865256b1f2519eeb792c4846eb39"
+HELPERS_SHA256 = "be72633a4f200d050587f00ca31a3666c5b6ed08bb72752234663746d3c8795e"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "35d25186b0856973bb998315ed8a5509ca6a2c07926854305c3d9d55a4b3f722"
+HELPERS_SHA256 = "ae6bc80bb3c835113f955f11d900edd17b295b9b661b9863be7d223a49f81142"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -316,16 +316,10 @@ def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
 
 
 # Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
-# the longer the run, the longer the accumulators stay in registers.  Runs
-# of 16 against a load and a store of every accumulator each four keys (4
-# rows, one thread, value update alone, medians of interleaved calls): D =
-# 64 0.80x the time in L2 (6.2 against 7.8 ns a key) and 0.86-0.92x from
-# memory; float8_e4m3fn D = 128 from memory 0.89-0.90x.  But float32 rows
-# longer than a run of four vectors (D = 128), streamed from memory, took
-# 1.09-1.27x the time in runs of 16 (the second half of each row is read a
-# run later) and 0.97-1.01x in runs of 4; narrow rows took 1.06-1.28x in
-# runs of 4 (decode, one thread: float32 1.01x, float16 and bfloat16 1.00x,
-# float8_e4m3fn 0.93x, Hq=16 Hkv=4 D=64 Skv=1088 0.90x).
+# the longer the run, the longer the accumulators stay in registers (runs
+# of 16: 0.80x the value update's time of runs of 4 at D = 64), except
+# float32 rows longer than a run of vectors, streamed (16 took 1.09-1.27x
+# there).  The log: docs/performance.md, "Figures moved out of the code".
 AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
 
 

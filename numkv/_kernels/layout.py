@@ -9,6 +9,8 @@ re-exports them).  Plain Python: no numba, nothing compiled.
 
 import numpy as np
 
+from .. import _formats
+
 # -- ints[]: shapes, masking rules, the plan ---------------------------------------
 INT_FIELDS = (
     "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
@@ -35,17 +37,24 @@ Q_SCALE, SCORE_SCALE, SOFTCAP = range(len(FLOAT_FIELDS))
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn",
                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 (F32, F64, F16, BF16, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0) = range(len(DTYPE_CODES))
-# Quantised K/V (``numkv.QuantizedArray``), coded after the dtypes.  Their
-# ``desc`` rows count bytes (base and strides; ``stride_d`` 1) and their rows
-# are contiguous: q8_0 / q4_0 llama.cpp's blocks of ``QUANT_BLOCK`` elements
-# (a float16 scale, then 32 int8 codes, or 16 bytes holding element ``j``
-# in the low nibble and ``j + 16`` in the high one, each biased by 8);
-# int8 / int4 the codes alone (int4: biased nibbles, the even element low),
-# whose per-tensor or per-channel scales the wrapper folds into Q (keys)
-# and Y (values).
-QUANT_FORMATS = ("q8_0", "q4_0", "int8", "int4")
-Q8_0, Q4_0, INT8, INT4 = range(len(DTYPE_CODES), len(DTYPE_CODES) + len(QUANT_FORMATS))
+# Quantised K/V (``numkv.QuantizedArray``), coded after the dtypes in the
+# order of their records (``numkv._formats.FORMATS``: a format's code is
+# its record's ``code``).  Their ``desc`` rows count bytes (base and
+# strides; ``stride_d`` 1) and their rows are contiguous: a block format's
+# blocks of ``QUANT_BLOCK`` elements (a float16 scale, maybe a float16
+# minimum, then the codes), a given-scale format's codes alone, whose per-tensor or
+# per-channel scales the wrapper folds into Q (keys) and Y (values).
+QUANT_FORMATS = tuple(_formats.FORMATS)
+assert _formats.FIRST_CODE == len(DTYPE_CODES)
 QUANT_BLOCK = 32
+# ``QUANT_TABLE[code - FIRST_QUANT]``: what the jitted loops read of a
+# format's record -- elements and bytes a block, and the bytes of a run of
+# ``QUANT_BLOCK`` elements (one block-widening step).
+FIRST_QUANT = _formats.FIRST_CODE
+QUANT_FIELDS = ("block", "block_bytes", "run_bytes")
+Q_BLOCK, Q_BLOCK_BYTES, Q_RUN_BYTES = range(len(QUANT_FIELDS))
+QUANT_TABLE = np.array([(f.block, f.block_bytes, QUANT_BLOCK // f.block * f.block_bytes)
+                        for f in _formats.FORMATS.values()], np.int64).reshape(-1, len(QUANT_FIELDS))
 
 # -- FORMAT_TABLE: the float8s widened by one parametrised loop -------------------
 # The fnuz float8s (no infinities, one NaN pattern 0x80, no -0.0) as

@@ -45,7 +45,7 @@ from .._runtime.protocol import pool_enter, pool_exit
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "fa76dc907763f39fa6f61c14f79a346f1ead94d986c709c089ca58487b9a763d"
+HELPERS_SHA256 = "1420dbc31fd2fd32b31269c8abbc58fb6fbbbd660175d7f2361167410e26a4b8"
 
 HEADER = 10
 

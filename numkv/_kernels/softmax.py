@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "082abf1f39edbeb565a3b4c5e1112097faa7f0b44dc9367be6fbe8668f9cfd33"
+HELPERS_SHA256 = "c7cdc50fff6a909c6d6682db8a3bced1027f60e51586fa8c52ca8761d1d9f5ca"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its

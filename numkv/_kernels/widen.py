@@ -15,8 +15,9 @@ Two ways in:
 A new format read in place is one ``FORMATS`` entry (its IR widening, its
 bits an element, what it needs of the CPU), its dtype code in ``layout``,
 and its ``_rows_*`` loop for the tile path (``format_loops`` picks it).  The
-quantised formats (``layout.QUANT_FORMATS``: codes with scales) widen a block of 32 at a time
-(``_rows_quantized``).
+quantised formats (``numkv._formats``' records: codes with scales) are read
+by IR built from their record's fields (``_load_quantized``, and 32 at a
+time ``_emit_quant_block``): a new one is its record, nothing here.
 
 Widening is written as LLVM IR in 16- and 32-bit lanes with selects: numba's
 own integer arithmetic widens to 64 bits (``uint32 - uint32`` is ``int64``),
@@ -35,11 +36,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .. import _formats
 from .._config import jit
 from .cpu import has_f16c, has_vbmi
-from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, IN_PLACE_ROWS, INFNAN_EM, INT4, INT8, NAN_BITS,
-                     NAN_EM, NONE, Q4_0, Q8_0, QUANT_BLOCK, QUANT_FORMATS, SCALE_EXPONENT, SHIFT, STRIDE_B, STRIDE_D,
-                     STRIDE_H, STRIDE_S, WIDEN)
+from .layout import (BASE, BF16, DTYPE, E4M3FN, E5M2, F16, F32, F64, FIRST_QUANT, IN_PLACE_ROWS, INFNAN_EM, NAN_BITS,
+                     NAN_EM, NONE, Q_BLOCK, Q_BLOCK_BYTES, Q_RUN_BYTES, QUANT_BLOCK, QUANT_TABLE, SCALE_EXPONENT,
+                     SHIFT, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, WIDEN)
 from .simd import (_BYTES, PREFETCH_KEYS, _as_flat, _as_i32, _as_rows, _broadcast, _float32_from_bits, _prefetch, _run,
                    _splat, _view)
 
@@ -125,14 +127,9 @@ def _widen_e4m3fn_block(builder, x):
     128-entry tables (``vpermi2b``: a byte's low 7 bits index two
     registers), the sign is or'ed in, and unpacking the byte pairs, then the
     words under zeros, makes the float32s: ~11 instructions for 64
-    elements, where bit arithmetic (``_widen_e4m3fn``) takes ~9 for 16.  On a
-    streamed cache, one thread, the scores / the value update took 0.126 /
-    0.127 ns an element, against 0.151 / 0.139 by bit arithmetic; decode at
-    Skv=16384 on 2 threads went from 0.65x float32's time to 0.56-0.60x
-    (float8_e5m2: 0.52-0.59x; whole bench runs: 0.53x and 0.615x).  (Moving
-    the byte pairs with a shuffle and a mask each instead of the unpacks held
-    more constants: LLVM ran out of registers and it was slower than bit
-    arithmetic.)"""
+    elements, where bit arithmetic (``_widen_e4m3fn``) takes ~9 for 16
+    (decode at Skv=16384 on 2 threads: 0.56-0.60x float32's time, against
+    0.65x; the log: docs/performance.md, "Figures moved out of the code")."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     bytes64, words32 = ir.VectorType(i8, 64), ir.VectorType(i16, 32)
 
@@ -164,12 +161,70 @@ def _widen_e4m3fn_block(builder, x):
 # -- the formats decode's loops read in place ----------------------------------------------
 
 
-def _load_quantized(builder, row, at, width, fmt):
+def _nibbles(builder, packed, order, high=None):
+    """IR: the 4-bit codes (still biased) in the bytes ``packed`` (``i8`` or
+    a vector of them) -- the one nibble decoder of the kernels (NumPy's:
+    ``_formats.unpack_nibbles``).  With ``high`` (an ``i1``, or a vector of
+    them): each byte's high nibble where it is set, else its low one (the
+    elements of one half of a block, or one element of a pair).  Without:
+    every nibble of the vector, in element order -- ``order`` ``"halves"``
+    (all low nibbles, then all high: llama.cpp's blocks) or ``"pairs"``
+    (each byte's low, then its high: onnxruntime's int4).  Both nibbles by
+    constant shifts, then a select or a shuffle: x86 has no byte shift by a
+    variable amount (LLVM widens it)."""
+    ty = packed.type
+    low, upper = builder.and_(packed, _splat(ty, 15)), builder.lshr(packed, _splat(ty, 4))
+    if high is not None:
+        return builder.select(high, upper, low)
+    n = ty.count
+    picks = list(range(2 * n)) if order == "halves" else [i // 2 + n * (i % 2) for i in range(2 * n)]
+    return builder.shuffle_vector(low, upper, ir.Constant(ir.VectorType(ir.IntType(32), 2 * n), picks))
+
+
+def _block_header(builder, src, f, width, convert_vector=True):
+    """IR: ``(scale, minimum)`` of the block of format ``f`` whose first byte
+    is ``src`` (the float16s heading it, as float32 -- vectors of ``width``
+    lanes for ``width > 1`` -- ``minimum`` None without one); ``(None,
+    None)`` for a given-scale format (its scale is folded into Q / Y).
+    ``convert_vector``: with F16C, the bits are broadcast and converted as
+    a vector (decode's loads: one instruction); else converted, then
+    broadcast (a block of 32 lanes: one conversion, not two)."""
+    if not f.derived:
+        return None, None
+    i16 = ir.IntType(16)
+    parts = []
+    for offset in range(0, f.header, 2):
+        bits = builder.load(builder.bitcast(builder.gep(src, [ir.Constant(ir.IntType(64), offset)]),
+                                            i16.as_pointer()), align=1)
+        if width > 1 and convert_vector and has_f16c():  # the bits in every lane, then F16C's conversion
+            bits = _broadcast(builder, bits, width)
+        value = _widen_ir(builder, bits, "f16", has_f16c())
+        if width > 1 and not isinstance(value.type, ir.VectorType):
+            value = _broadcast(builder, value, width)
+        parts.append(value)
+    return parts[0], parts[1] if f.minimum else None
+
+
+def _scaled(builder, codes, f, scale, minimum):
+    """IR: the integer ``codes`` (stored, ``i8``) of format ``f`` as float32:
+    less the bias, times ``scale``, plus ``minimum`` (where given)."""
+    if f.bias:
+        codes = builder.sub(codes, _splat(codes.type, f.bias))
+    values = builder.sitofp(codes, _like(codes, ir.FloatType()))
+    if scale is not None:
+        values = builder.fmul(values, scale)
+    if minimum is not None:
+        values = builder.fadd(values, minimum)
+    return values
+
+
+def _load_quantized(builder, row, at, width, f):
     """IR: elements ``at .. at + width`` of the quantised row of bytes ``row``
-    (``fmt``, ``QUANT_FORMATS``) as float32: q8_0 / q4_0 times their block's
-    float16 scale (the block of 32 holding them: ``at`` is a multiple of
-    ``width``, which divides 32), int8 / int4 the codes."""
-    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+    (format ``f``, a ``_formats.Format``) as float32: a block format's codes
+    times their block's float16 scale (plus its minimum; the block of 32
+    holding them: ``at`` is a multiple of ``width``, which divides 16), a
+    given-scale format's codes."""
+    i8, i64 = ir.IntType(8), ir.IntType(64)
     c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
     vec = (lambda elem: ir.VectorType(elem, width)) if width > 1 else (lambda elem: elem)
 
@@ -177,44 +232,26 @@ def _load_quantized(builder, row, at, width, fmt):
         ty = ir.VectorType(i8, n) if n > 1 else i8
         return builder.load(builder.bitcast(builder.gep(row, [offset]), ty.as_pointer()), align=1)
 
-    scale = None
-    if fmt in ("q8_0", "q4_0"):
-        block = builder.mul(builder.lshr(at, c64(5)), c64(2 + QUANT_BLOCK if fmt == "q8_0" else 2 + QUANT_BLOCK // 2))
-        bits = builder.load(builder.bitcast(builder.gep(row, [block]), i16.as_pointer()), align=1)
-        if width > 1 and has_f16c():  # the bits in every lane, then F16C's conversion: a scale vector
-            bits = _broadcast(builder, bits, width)
-        scale = _widen_ir(builder, bits, "f16", has_f16c())
-        within = builder.and_(at, c64(QUANT_BLOCK - 1))
-        if fmt == "q8_0":
-            codes = load(builder.add(block, builder.add(within, c64(2))), width)
-        else:  # byte j holds elements j (low nibble) and j + 16 (high)
-            packed = load(builder.add(block, builder.add(builder.and_(within, c64(15)), c64(2))), width)
-            # Both nibbles by constant shifts, then a select: x86 has no byte
-            # shift by a variable amount (LLVM widens it).
-            high = builder.icmp_unsigned("!=", builder.and_(within, c64(16)), c64(0))
-            nibbles = builder.select(high, builder.lshr(packed, _splat(vec(i8), 4)),
-                                     builder.and_(packed, _splat(vec(i8), 15)))
-            codes = builder.sub(nibbles, _splat(vec(i8), 8))
-    elif fmt == "int8":
+    def split(selector):  # an i1, set where the elements are high nibbles (one select for the vector)
+        return builder.icmp_unsigned("!=", selector, c64(0))
+
+    scale = minimum = None
+    if f.derived:
+        block = builder.mul(builder.lshr(at, c64(5)), c64(f.block_bytes))
+        scale, minimum = _block_header(builder, builder.gep(row, [block]), f, width)
+        within, first = builder.and_(at, c64(QUANT_BLOCK - 1)), builder.add(block, c64(f.header))
+        if f.bits == 8:
+            codes = load(builder.add(first, within), width)
+        else:  # "halves": byte j holds elements j (low nibble) and j + 16 (high)
+            packed = load(builder.add(first, builder.and_(within, c64(QUANT_BLOCK // 2 - 1))), width)
+            codes = _nibbles(builder, packed, f.nibbles, split(builder.and_(within, c64(QUANT_BLOCK // 2))))
+    elif f.bits == 8:
         codes = load(at, width)
-    else:  # int4: byte at // 2, the even element low
-        if width == 1:
-            byte = load(builder.lshr(at, c64(1)), 1)
-            shift = builder.trunc(builder.shl(builder.and_(at, c64(1)), c64(2)), i8)
-            codes = builder.sub(builder.and_(builder.lshr(byte, shift), ir.Constant(i8, 15)), ir.Constant(i8, 8))
-        else:
-            packed = load(builder.lshr(at, c64(1)), width // 2)
-            half_ty = ir.VectorType(i8, width // 2)
-            low, high = builder.and_(packed, _splat(half_ty, 15)), builder.lshr(packed, _splat(half_ty, 4))
-            order = [i // 2 + (width // 2) * (i % 2) for i in range(width)]
-            codes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), width), order))
-            codes = builder.sub(codes, _splat(vec(i8), 8))
-    values = builder.sitofp(codes, vec(ir.FloatType()))
-    if scale is not None:
-        if width > 1 and not isinstance(scale.type, ir.VectorType):
-            scale = _broadcast(builder, scale, width)
-        values = builder.fmul(values, scale)
-    return values
+    elif width == 1:  # "pairs": byte at // 2, the even element low
+        codes = _nibbles(builder, load(builder.lshr(at, c64(1)), 1), f.nibbles, split(builder.and_(at, c64(1))))
+    else:
+        codes = _nibbles(builder, load(builder.lshr(at, c64(1)), width // 2), f.nibbles)
+    return _scaled(builder, codes, f, scale, minimum)
 
 
 @dataclass(frozen=True)
@@ -251,9 +288,9 @@ FORMATS = {  # in this order in every loop's switch (``decode_loops._per_format`
     "e4m3fn": Format(E4M3FN, 8, _widen_e4m3fn, needs_f16c=True,
                      block=E4M3FN_BLOCK, widen_block=_widen_e4m3fn_block, block_cpu=has_vbmi),
     "e5m2": Format(E5M2, 8, _widen_e5m2, needs_f16c=True),
-    # The quantised formats (``layout.QUANT_FORMATS``), read by ``_load_quantized``.
-    **{name: Format(Q8_0 + i, 8, None, load=functools.partial(_load_quantized, fmt=name))
-       for i, name in enumerate(QUANT_FORMATS)},
+    # The quantised formats (``numkv._formats``' records), read by ``_load_quantized``.
+    **{name: Format(f.code, 8, None, load=functools.partial(_load_quantized, f=f))
+       for name, f in _formats.FORMATS.items()},
 }
 # The narrow K/V dtypes float32 decode's loops read in place (``_kv_tile``,
 # ``decode_loops._per_format``): code -> (format, bits an element).
@@ -346,12 +383,8 @@ def _itemsize(code):
 def _row_bytes(code, width):
     """Bytes a row of ``width`` elements of dtype ``code`` spans (quantised
     formats: their blocks, or packed codes)."""
-    if code == Q8_0:
-        return width // QUANT_BLOCK * (2 + QUANT_BLOCK)
-    if code == Q4_0:
-        return width // QUANT_BLOCK * (2 + QUANT_BLOCK // 2)
-    if code == INT4:
-        return width // 2
+    if code >= FIRST_QUANT:
+        return width // QUANT_TABLE[code - FIRST_QUANT, Q_BLOCK] * QUANT_TABLE[code - FIRST_QUANT, Q_BLOCK_BYTES]
     return width * _itemsize(code)
 
 
@@ -460,99 +493,86 @@ def _rows_fnuz(dst, r0, n, width, buf, code, base, seq_stride, stride, table, fo
                                           infnan, nan_em, nan_x)
 
 
-def _emit_quant_block(builder, src, fmt):
-    """IR: the ``QUANT_BLOCK`` (32) values of one block of ``fmt`` at the
-    ``i8*`` ``src`` as a ``<32 x float>`` (q8_0 / q4_0: times their float16
-    scale, which leads the block; int8 / int4: the codes)."""
-    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
-    lanes = QUANT_BLOCK
-    scale = None
-    if fmt in ("q8_0", "q4_0"):
-        bits = builder.load(builder.bitcast(src, i16.as_pointer()), align=1)
-        scale = _widen_ir(builder, bits, "f16", has_f16c())
-        src = builder.gep(src, [ir.Constant(i64, 2)])
-    if fmt in ("q8_0", "int8"):
-        codes = builder.load(builder.bitcast(src, ir.VectorType(i8, lanes).as_pointer()), align=1)
-    else:  # nibbles, biased by 8: q4_0 element j low, j + 16 high; int4 the even element low
-        packed = builder.load(builder.bitcast(src, ir.VectorType(i8, lanes // 2).as_pointer()), align=1)
-        low = builder.and_(packed, _splat(ir.VectorType(i8, lanes // 2), 15))
-        high = builder.lshr(packed, _splat(ir.VectorType(i8, lanes // 2), 4))
-        order = (list(range(lanes)) if fmt == "q4_0"
-                 else [i // 2 + (lanes // 2) * (i % 2) for i in range(lanes)])
-        codes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), lanes), order))
-        codes = builder.sub(codes, _splat(ir.VectorType(i8, lanes), 8))
-    values = builder.sitofp(codes, ir.VectorType(ir.FloatType(), lanes))
-    if scale is not None:
-        values = builder.fmul(values, _broadcast(builder, scale, lanes))
-    return values
+def _emit_quant_block(builder, src, f):
+    """IR: the ``QUANT_BLOCK`` (32) values of format ``f`` from the ``i8*``
+    ``src`` (a block format's block, its scale -- and minimum -- leading
+    it; a given-scale format's 32 codes) as a ``<32 x float>``."""
+    i8, lanes = ir.IntType(8), QUANT_BLOCK
+    scale, minimum = _block_header(builder, src, f, lanes, convert_vector=False)
+    src = builder.gep(src, [ir.Constant(ir.IntType(64), f.header)])
+    n = lanes * f.bits // 8
+    codes = builder.load(builder.bitcast(src, ir.VectorType(i8, n).as_pointer()), align=1)
+    if f.bits == 4:
+        codes = _nibbles(builder, codes, f.nibbles)
+    return _scaled(builder, codes, f, scale, minimum)
 
 
-def _quant_block_intrinsic(fmt):
-    """``_widen_<fmt>_block(out, out_at, buf, at)``: ``out[out_at:out_at + 32]``
-    = the block of ``fmt`` at byte ``at`` of ``buf`` (``_emit_quant_block``),
-    in ``out``'s dtype (float32 or float64).  No loop: a vector load, convert
+@intrinsic(prefer_literal=True)
+def _widen_quant_block(typingctx, out, out_at, buf, at, code):
+    """``out[out_at:out_at + 32]`` = the 32 elements of format ``code`` (a
+    constant) at byte ``at`` of ``buf`` (``_emit_quant_block``), in
+    ``out``'s dtype (float32 or float64).  No loop: a vector load, convert
     and store, which a numba loop over a block did not become."""
-    def typer(typingctx, out, out_at, buf, at):
-        if not (isinstance(out, types.Array) and out.dtype in (types.float32, types.float64)):
-            return None
+    if not (isinstance(out, types.Array) and out.dtype in (types.float32, types.float64)
+            and isinstance(code, types.IntegerLiteral)):
+        return None
+    f = _QUANT_BY_CODE[code.literal_value]
 
-        def codegen(context, builder, sig, args):
-            dst = context.make_array(sig.args[0])(context, builder, args[0])
-            raw = context.make_array(sig.args[2])(context, builder, args[2])
-            values = _emit_quant_block(builder, builder.gep(raw.data, [args[3]]), fmt)
-            elem = context.get_value_type(sig.args[0].dtype)
-            if elem != ir.FloatType():
-                values = builder.fpext(values, ir.VectorType(elem, QUANT_BLOCK))
-            ptr = builder.bitcast(builder.gep(dst.data, [args[1]]), ir.VectorType(elem, QUANT_BLOCK).as_pointer())
-            builder.store(values, ptr, align=4)
-            return context.get_dummy_value()
-        return types.void(out, out_at, buf, at), codegen
-    typer.__name__ = f"_widen_{fmt}_block"
-    return intrinsic(typer)
+    def codegen(context, builder, sig, args):
+        dst = context.make_array(sig.args[0])(context, builder, args[0])
+        raw = context.make_array(sig.args[2])(context, builder, args[2])
+        values = _emit_quant_block(builder, builder.gep(raw.data, [args[3]]), f)
+        elem = context.get_value_type(sig.args[0].dtype)
+        if elem != ir.FloatType():
+            values = builder.fpext(values, ir.VectorType(elem, QUANT_BLOCK))
+        ptr = builder.bitcast(builder.gep(dst.data, [args[1]]), ir.VectorType(elem, QUANT_BLOCK).as_pointer())
+        builder.store(values, ptr, align=4)
+        return context.get_dummy_value()
+    return types.void(out, out_at, buf, at, code), codegen
 
 
-_widen_q8_0_block, _widen_q4_0_block, _widen_int8_block, _widen_int4_block = map(
-    _quant_block_intrinsic, QUANT_FORMATS)
+@intrinsic(prefer_literal=True)
+def _widen_quant_element(typingctx, buf, at, c, code):
+    """The float32 value of element ``c`` of the row of format ``code`` (a
+    constant) that starts at byte ``at`` of ``buf`` (``_load_quantized``)."""
+    if not isinstance(code, types.IntegerLiteral):
+        return None
+    f = _QUANT_BY_CODE[code.literal_value]
+
+    def codegen(context, builder, sig, args):
+        raw = context.make_array(sig.args[0])(context, builder, args[0])
+        as64 = [context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2)]
+        return _load_quantized(builder, builder.gep(raw.data, [as64[0]]), as64[1], 1, f)
+    return types.float32(buf, at, c, code), codegen
+
+
+_QUANT_BY_CODE = {f.code: f for f in _formats.FORMATS.values()}
 
 
 @jit(inline=True)  # (inlined: its IR is made when its caller compiles, for the CPU then in force)
 def _rows_quantized(dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
-    """The tile loop of the quantised formats (``QUANT_FORMATS``; unit
-    stride, ``stride`` unused): row ``t`` starts at byte ``base + t *
-    seq_stride``.  q8_0 / q4_0 blocks widen to
-    ``d * code`` (exact in float32: 8 bits times float16's 11); int8 / int4
-    to the code itself, 32 at a time by the block intrinsics, the rest of a
-    row one by one.  (A numba loop over a block with unsigned indices: 13
-    ns a row of 128 q8_0 codes; with the literal 32 LLVM unrolled it and
-    left it scalar, 57 ns.)"""
+    """The tile loop of the quantised formats (``_formats.FORMATS``; unit
+    stride, ``stride`` unused; ``code`` a constant): row ``t`` starts at
+    byte ``base + t * seq_stride``.  Runs of 32 elements widen at once
+    (``_widen_quant_block``: a block format's to ``d * code (+ m)``, exact
+    in float32 without a minimum -- 8 bits times float16's 11; a
+    given-scale format's to the code itself), the rest of a row (a
+    given-scale format's head size that 32 does not divide) one by one.
+    (A numba loop over a block with unsigned indices: 13 ns a row of 128
+    8-bit codes; with the literal 32 LLVM unrolled it and left it scalar, 57
+    ns.)"""
     out = _as_flat(dst)
-    codes = _view(buf, np.int8)  # (out of the loops: a view made in them cost a reference count a row)
     w = np.uint64(width)
-    blocks = width // QUANT_BLOCK
-    block_bytes = np.uint64(2 + QUANT_BLOCK if code == Q8_0 else 2 + QUANT_BLOCK // 2 if code == Q4_0
-                            else QUANT_BLOCK if code == INT8 else QUANT_BLOCK // 2)
+    runs = width // QUANT_BLOCK
+    run_bytes = np.uint64(QUANT_TABLE[code - FIRST_QUANT, Q_RUN_BYTES])
     lanes = np.uint64(QUANT_BLOCK)
     for t in range(n):
         at = np.uint64(base + t * seq_stride)
         row = np.uint64(r0 + t) * w
-        for k in range(blocks):
-            o, first = at + np.uint64(k) * block_bytes, row + np.uint64(k) * lanes
-            if code == Q8_0:
-                _widen_q8_0_block(out, first, buf, o)
-            elif code == Q4_0:
-                _widen_q4_0_block(out, first, buf, o)
-            elif code == INT8:
-                _widen_int8_block(out, first, buf, o)
-            else:
-                _widen_int4_block(out, first, buf, o)
-        done = blocks * QUANT_BLOCK
-        if done < width:  # int8 / int4 rows of a head size 32 does not divide
-            for c in range(done, width):
-                if code == INT8:
-                    out[row + np.uint64(c)] = codes[at + np.uint64(c)]
-                else:
-                    byte = np.int32(buf[at + np.uint64(c // 2)])
-                    out[row + np.uint64(c)] = ((byte >> 4) if c % 2 else (byte & 15)) - 8
+        for k in range(runs):
+            _widen_quant_block(out, row + np.uint64(k) * lanes, buf, at + np.uint64(k) * run_bytes, code)
+        for c in range(runs * QUANT_BLOCK, width):
+            out[row + np.uint64(c)] = _widen_quant_element(buf, at, c, code)
 
 
 @jit(inline=True)
