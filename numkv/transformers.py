@@ -288,6 +288,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if layer is not None and layer.holds(key):
         inputs = layer.cache.attention_inputs()
         k, v = inputs.pop("K"), inputs.pop("V")
+        if layer.qk_precision is not None:
+            args["qk_precision"] = layer.qk_precision
         _cached_mask(attention_mask, q.shape[2], k.shape[2], inputs, args)
     else:
         k, v = as_numpy(key, "key"), as_numpy(value, "value")
@@ -486,6 +488,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.dtype, self.v_dtype = dtype, v_dtype
         # keys or values quantised: both are read from the cache by numkv's attention only
         self.quantised = isinstance(dtype, str) or isinstance(v_dtype, str)
+        self.qk_precision = None  # (``KVCache``'s)
         self.cache = StaticKVCache(batch_size, num_heads, max_cache_len, head_dim, v_head_dim=v_head_dim,
                                    dtype=dtype, v_dtype=v_dtype)
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
@@ -641,6 +644,10 @@ class KVCache(Cache):
     v_dtype : str, numpy or torch dtype, optional
         The values' own format, as ``dtype`` (default: ``dtype``): e.g.
         ``dtype="q8_0", v_dtype="q4_0"``, llama.cpp's ``-ctk q8_0 -ctv q4_0``.
+    qk_precision : None or "int8", optional
+        With a quantised ``dtype``: numkv's attention over this cache
+        quantises each query to int8 per block of 32 first
+        (``numkv.attention``'s ``qk_precision``); None: exact.
 
     Notes
     -----
@@ -654,11 +661,16 @@ class KVCache(Cache):
     lengths only.
     """
 
-    def __init__(self, config, batch_size: int, max_cache_len: int, *, dtype="float32", v_dtype=None):
+    def __init__(self, config, batch_size: int, max_cache_len: int, *, dtype="float32", v_dtype=None,
+                 qk_precision=None):
         batch_size = _positive(batch_size, "batch_size")
         max_cache_len = _positive(max_cache_len, "max_cache_len")
         fmt = _format(dtype)
         v_fmt = fmt if v_dtype is None else _format(v_dtype, "v_dtype")
+        if qk_precision not in (None, "int8"):
+            raise ValueError(f"qk_precision must be None or 'int8', got {qk_precision!r}")
+        if qk_precision is not None and not isinstance(fmt, str):
+            raise ValueError(f"qk_precision='int8' needs quantised keys (dtype='q8_0', say), got dtype={dtype!r}")
         get_text = getattr(config, "get_text_config", None)
         if get_text is None:
             raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
@@ -686,9 +698,11 @@ class KVCache(Cache):
                                           f"sliding-window attention layers only")
             layers.append(KVCacheLayer(batch_size, kv_heads, max_cache_len, head_dim, head_dim, fmt, window, text,
                                        v_fmt))
+        for layer in layers:
+            layer.qk_precision = qk_precision
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
-        self.dtype, self.v_dtype = fmt, v_fmt
+        self.dtype, self.v_dtype, self.qk_precision = fmt, v_fmt, qk_precision
 
     def __repr__(self):
         name, v_name = (d if isinstance(d, str) else d.name for d in (self.dtype, self.v_dtype))

@@ -699,3 +699,32 @@ def test_generate_batch_comparison_can_fail(family, wrong, monkeypatch):
 def test_continuous_batching_refuses_a_model_not_on_numkv():
     with pytest.raises(ValueError, match="not one numkv registered"):
         nt.continuous_batching(_cb_model("llama-gqa", "sdpa"))
+
+
+def test_kvcache_qk_precision_reaches_numkvs_attention(monkeypatch):
+    """``KVCache(..., qk_precision="int8")`` makes numkv's attention over the
+    cache quantise the query (API.md): every call over its layers passes it,
+    the logits stay close to the exact q8_0 cache's and differ from them;
+    without quantised keys it is a ValueError naming it."""
+    cfg = LlamaConfig(num_hidden_layers=2, **dict(SMALL, hidden_size=256))  # head_dim 32: a block
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    seen, real = [], numkv.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("qk_precision"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nt._numkv, "attention", spy)
+    with torch.no_grad():
+        exact = m(input_ids=IDS, attention_mask=MASK, cache=nt.KVCache(m.config, 2, 32, dtype="q8_0")).logits
+        assert set(seen) == {None}
+        seen.clear()
+        int8 = m(input_ids=IDS, attention_mask=MASK,
+                 cache=nt.KVCache(m.config, 2, 32, dtype="q8_0", qk_precision="int8")).logits
+    assert seen and set(seen) == {"int8"}
+    assert not torch.equal(exact, int8) and float((exact - int8).abs().max()) < 0.05 * float(exact.abs().max())
+    with pytest.raises(ValueError, match="qk_precision='int8' needs quantised keys"):
+        nt.KVCache(m.config, 2, 32, qk_precision="int8")
+    with pytest.raises(ValueError, match="qk_precision must be None or 'int8'"):
+        nt.KVCache(m.config, 2, 32, dtype="q8_0", qk_precision="int4")
