@@ -31,64 +31,23 @@ if TYPE_CHECKING:  # only for the annotations: numpy.typing is not imported at r
 # kernel accumulate in float64; the others are met by float32 accumulation.
 SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 
-# Tile policy.  A work item scores ``G * block_q`` query rows at once
-# against ``block_k`` keys a tile.
-#
-# * Prefill: with at least ``GEMM_MIN_ROWS`` rows, the two products of a tile
-#   are register-blocked matrix products (``_kernels.gemm``), 256 rows x 512
-#   keys: the softmax costs ~13 ns a row a tile besides ~0.29 ns a score
-#   (256 x 128 tile 12.8 us, 256 x 1024 78.5 us, one core,
-#   ``tools/softmax_tile.py``), so longer tiles spread it; 256 rows then hold a tile's operands in ~1.3 MB a thread
-#   (512 rows: ~2 MB), as much as an L2 holds on most server CPUs.  Hq=32
-#   Hkv=8 D=128, 2 threads, 2-core EPYC, medians of 11 alternating calls
-#   (ms; rows x keys): full S=1024 512 x 256 89.6, 512 x 512 87.7 and 86.4,
-#   256 x 512 87.7 and 86.2; causal S=2048 187.1 / 186.2 and 180.5 / 186.0
-#   and 181.0; causal S=512 (256 rows) 13.9 / 14.1 / 13.8; 128-key tiles and
-#   1024 rows were slower (a sweep of 256-1024 rows x 128-512 keys, medians
-#   of 5: causal S=2048 182.5-195.9, full S=1024 87.2-100.6).  The rows
-#   halve, down to ``MIN_ROWS_PER_TILE``, while there are fewer than
-#   ``TARGET_GEMM_ITEMS`` tiles.
-# * Decode (fewer rows) takes the loop kernel, ``LOOP_BLOCK_K`` keys a tile:
-#   fewer, longer tiles spread the softmax's per-tile work (2 threads,
-#   medians of 15 interleaved; 64 / 128 / 256 keys: decode Skv=16384
-#   float32 8.99 / 8.68 / ~8.6 ms, bfloat16 3.78 / 3.24 / ~3.0, float8 5.12 /
-#   4.74 / ~4.6; B=8 Skv=2048 9.16 / 8.89 / 8.56; Hq=16 Hkv=4 D=64
-#   Skv=1088 0.191 / 0.176 / 0.165; measured before rows were prefetched
-#   into L2, and float8 again after: 5.43-5.57 / 5.20-5.26 / 4.94-4.99 ms).
-# * Few work items: the key range is split into chunks, for ``TARGET_ITEMS``
-#   items (>= 4 per thread up to 64 threads) of chunks of at least
-#   ``MIN_CHUNK`` keys (shorter ones cost more in per-item work than they
-#   gain); ``TARGET_GEMM_ITEMS`` for matrix-product tiles, whose causal
-#   pairs balance already (a split full prefill S=1024 cost 198 against 160
-#   ms, with BLAS' products).  Small
-#   calls (below) keep the key range whole.  Whether and where the keys are
-#   split depends on the shapes only: results do not depend on the thread
-#   count.
-# * Calls of fewer than ``SPLIT_MACS`` multiply-adds keep their key range
-#   whole: chunks exist to feed many threads, and cost a merge.  On 2 cores,
-#   decode Hq=32 D=128, medians of 0.1 s samples, one thread against two
-#   (before workers watched for their next job): Skv=512 (4.2M MACs) 249-317
-#   vs 253-282 us, Skv=1024 (8.4M) 392-445 vs 364-414 us, Skv=1536 585-624
-#   vs 400-618 us, Skv=2048 1.68-1.81 vs 0.86-0.93 ms.
-# * Calls of fewer than ``SINGLE_THREAD_MACS`` stay on the calling thread;
-#   from there to ``SPLIT_MACS`` two threads share the items (a worker that
-#   is awake takes some; one that is asleep is called off, ``pool.run``).
-#   On 2 cores (EPYC), decode B=1, calls in a loop, medians of 9 rounds of
-#   100, two threads' time over one thread's in three runs: Hq=16 Hkv=4
-#   D=64 Skv=256 (0.5M MACs) 1.13-1.66x, 512 (1.0M) 0.99-1.36x, 768 (1.6M)
-#   0.78-1.00x, 1088 (2.2M) 0.72-0.90x, 1536 (3.1M) 0.68-0.85x; Hq=32 Hkv=8
-#   D=128 Skv=64 0.97-1.44x, 128 0.86-1.10x, 256 (2.1M) 0.75-0.95x, 512
-#   (4.2M) 0.70-0.78x.  (Before workers watched for their next job and joined
-#   calls took the GIL out of the hand-over, two threads gained nothing
-#   below ~4M MACs.)
-# * Larger calls use at most one thread per ``THREAD_MACS`` multiply-adds
-#   (``_useful_threads``): each share handed out costs the caller ~20 us,
-#   which a small share does not repay.  On 16 Intel cores (decode Hq=32
-#   Hkv=8, medians; us on 1 / 2 / 4 / 8 / 16 threads): D=128 Skv=1024 (8.4M
-#   MACs) 475 / 307 / 297 / 298 / 651, D=64 Skv=2048 (8.4M) 874 / 478 / 355
-#   / 329 / 605, D=128 Skv=4096 (33.5M) 1963 / 1141 / 837 / 605 / 774,
-#   Skv=16384 (134M) 10424 / 5229 / 2374 / 1509 / 1386.  The rule takes 2,
-#   2, 8 and 16 of them; on 2 cores it changes nothing.
+# Tile and thread policy (the measurements that set each constant:
+# docs/performance.md, "The tile and thread policy's measurements").  A work
+# item scores ``G * block_q`` query rows against ``block_k`` keys a tile.
+# * Prefill (>= ``GEMM_MIN_ROWS`` rows): matrix-product tiles of 256 rows x
+#   512 keys, long enough to spread the softmax's per-row work, small enough
+#   for an L2; the rows halve (to ``MIN_ROWS_PER_TILE``) while there are
+#   fewer than ``TARGET_GEMM_ITEMS`` tiles.
+# * Decode: the loop kernel, ``LOOP_BLOCK_K`` keys a tile (fewer, longer
+#   tiles: 1-7% faster than 128).
+# * Few work items: the keys split into chunks of at least ``MIN_CHUNK`` for
+#   ``TARGET_ITEMS`` items, by the shapes only (Y never depends on the thread
+#   count); calls under ``SPLIT_MACS`` keep them whole (a merge costs more).
+# * Threads: calls under ``SINGLE_THREAD_MACS`` stay on the caller, but for
+#   those from ``HOT_THREAD_MACS`` when calls come back to back (a worker is
+#   then awake: 1.2-1.7x, where after a gap its wake costs more than it
+#   saves); larger ones take one thread per ``THREAD_MACS`` (16 Intel
+#   cores, the old pool: more threads were slower below that).
 GEMM_MIN_ROWS = 16
 ROWS_PER_TILE, MIN_ROWS_PER_TILE, GEMM_BLOCK_K = 256, 128, 512
 LOOP_BLOCK_K = 256
