@@ -372,6 +372,9 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     auto_q, auto_k = _tiles(b * hkv, group, sq, gemm_rows)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
+    if call.pages is not None:  # paged keys: a divisor of the page size (no tile crosses a page)
+        page = call.k.shape[2]
+        block_k = max(b for b in range(1, min(block_k, page) + 1) if page % b == 0)
     uses_gemm = group * block_q >= gemm_rows
     n_q_tiles = -(-sq // block_q)
     macs = b * hq * sq * total * (d + dv)
@@ -383,6 +386,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         kv_chunk = total if macs < SPLIT_MACS else _kv_chunk(b * hkv * n_q_tiles, total, block_k,
                                                  TARGET_GEMM_ITEMS if uses_gemm else TARGET_ITEMS)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
+    if call.pages is not None:  # chunks start where tiles do
+        kv_chunk = -(-kv_chunk // block_k) * block_k
     n_chunks = max(1, -(-total // kv_chunk))
     # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
     n_units = n_q_tiles if n_chunks > 1 else -(-n_q_tiles // 2)
