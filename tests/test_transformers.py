@@ -627,11 +627,14 @@ def _cb_model(family, impl):
 
 
 def _generate_batch(m, prompts, new=6):
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # A small paged cache: by default transformers sizes it from the free memory (~14 GB here).
+    cache = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64)
     with torch.no_grad():
-        out = m.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        out = m.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cache,
+                               progress_bar=False)
     return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
 
 
