@@ -136,7 +136,7 @@ from .widen import _kv_tile, _widen_rows_of
 PAGE_SIZE = len(INT_FIELDS)
 PAGES = PAGE_SIZE + 1
 
-HELPERS_SHA256 = "be72633a4f200d050587f00ca31a3666c5b6ed08bb72752234663746d3c8795e"
+HELPERS_SHA256 = "1a386db590376e46b907f78dc0d7d0260d84c65bb97904e32ccee18c8cdbec85"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -12,17 +12,15 @@ Two kinds of names:
 * intrinsics (``@intrinsic``), called from jitted code: ``_float32_from_bits``, ``_float64_bits``,
   ``_maximum``, ``_min``, ``_max``, ``_prefetch``, ``_view``, ``_array``,
   ``_as_rows``, ``_as_flat``, ``_claim``, ``_count_done``, ``_row_sum``, ``_row_max``,
-  ``_half_bits``, ``_load_acquire``, ``_store_release``,
-  ``_compare_exchange``, ``_pause``, ``_run``, ``_full_width_loops``;
+  ``_half_bits``, ``_run``, ``_full_width_loops``;
 * IR builders, called by other generators with an ``llvmlite`` ``builder``:
   ``_broadcast``, ``_splat``, ``_as_i32``, ``_emit_loop``, ``_phis``,
   ``_reduce_lanes``, ``_load``, ``_fmuladd``, ``_emit_prefetch``,
-  ``_emit_pause``, ``_masked_memory``.
+  ``_masked_memory``.
 
 Nothing here knows a K/V format (``widen``) or the attention algorithm.
 """
 
-import platform
 
 from llvmlite import ir
 from numba import types
@@ -320,67 +318,6 @@ def _count_done(typingctx, counts, index):
         return builder.atomic_rmw("add", at, ir.Constant(ir.IntType(64), 1), "acq_rel")
 
     return types.int64(counts, index), codegen
-
-
-@intrinsic
-def _load_acquire(typingctx, flags, index):
-    """``flags[index]`` read with acquire ordering: never hoisted out of a loop,
-    and what the writer wrote before it is visible after it."""
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.load_atomic(builder.gep(ary.data, [args[1]]), "acquire", align=8)
-
-    return flags.dtype(flags, index), codegen
-
-
-@intrinsic
-def _store_release(typingctx, flags, index, value):
-    """``flags[index] = value`` with release ordering: what the writer wrote
-    before it is visible to a thread that reads it with acquire."""
-    if not (isinstance(flags, types.Array) and flags.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        at = builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
-        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), at, "release", align=8)
-        return context.get_dummy_value()
-
-    return types.void(flags, index, value), codegen
-
-
-@intrinsic
-def _compare_exchange(typingctx, flags, index, expected, value):
-    """Whether ``flags[index]`` held ``expected`` and now holds ``value``
-    (atomically, acquire and release): of the threads that try it, one wins."""
-    if not (isinstance(flags, types.Array) and flags.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        at = builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
-        old, new = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
-        return builder.extract_value(builder.cmpxchg(at, old, new, "acq_rel", "acquire"), 1)
-
-    return types.boolean(flags, index, expected, value), codegen
-
-
-@intrinsic
-def _pause(typingctx):
-    """The x86 ``pause`` hint of a spin loop (spares the sibling hyperthread);
-    nothing elsewhere."""
-    def codegen(context, builder, sig, args):
-        _emit_pause(builder)
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-def _emit_pause(builder):
-    """IR of ``_pause``."""
-    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        pause = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
-        builder.call(pause, [])
 
 
 # -- calls by address ---------------------------------------------------------------
