@@ -467,8 +467,9 @@ def _releases_gil(macs, threads):
     after which a thread waiting for the GIL takes it anyway; a shorter
     one keeps it, and so never waits up to 5 ms to get it back beside a
     busy Python thread (``pool``).  ``GIL_MACS`` multiply-adds a thread
-    take ~5 ms at the slowest rate measured (a float32 decode's ~15 G/s a
-    thread, 2-core EPYC; prefill runs at ~50 G/s)."""
+    take ~4.5 ms at a float32 decode's ~15 G/s a thread on a Zen 4, ~7 ms
+    at ~9 G/s on a Zen 3 (prefill runs 3-5x faster, so a prefill lets go
+    from ~1-2 ms: sooner than it must, at the cost of a wake)."""
     return macs >= GIL_MACS * min(threads, thread_count._threads)
 
 
