@@ -434,8 +434,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
     loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm)
     with np.errstate(over="ignore"):  # a scale's root beyond the dtype's range is inf, as in the reference
-        # (sinks after the FLOAT_FIELDS: ``softmax.SINKS``)
-        floats = np.array([*_scale_factors(call.scale, call.acc_dtype), call.softcap,
+        q_scale, score_scale = _scale_factors(call.scale, call.acc_dtype)
+        named = {"q_scale": q_scale, "score_scale": score_scale, "softcap": call.softcap}
+        # (the sinks after the FLOAT_FIELDS: ``softmax.SINKS``)
+        floats = np.array([*(named[field] for field in kernels.FLOAT_FIELDS),
                            *(() if call.sinks is None else call.sinks)], call.acc_dtype)
     plan = _Plan(
         ints=ints,
@@ -493,7 +495,7 @@ class _Plan:
     threads: int  # at most this many share the kernel (``_useful_threads``; 1: small, ``HOT_THREAD_MACS``)
     macs: int  # the multiply-adds of a call (``_releases_gil``)
     y_scale: np.ndarray = None  # an int8 / int4 V's scale for each query head and channel, or None
-    loops: np.ndarray = None  # the addresses of its formats' loops (``format_loops``)
+    loops: np.ndarray = None  # the addresses of its formats' loops (``loop_functions``)
 
     def run_qkv(self, Q, K, V):
         """Y for the aligned, C-contiguous Q, K and V of a call with no past

@@ -341,33 +341,33 @@ def test_the_demo_compiles_nothing_inside_its_timed_runs(monkeypatch, capsys):
     warm-up on prompts of 2 tokens took the loops, and the timed runs
     compiled the products.)  Run with the loop tables and kept plans
     emptied, so that every C function a call needs is fetched again
-    (``format_loops._compile``, from the disk cache): none may be in a timed
+    (``loop_functions._compile``, from the disk cache): none may be in a timed
     run."""
     from numkv import _attention
     from numkv._cli import demo
-    from numkv._kernels import format_loops
+    from numkv._kernels import loop_functions
 
-    monkeypatch.setattr(format_loops, "TABLES", np.zeros_like(format_loops.TABLES))
-    monkeypatch.setattr(format_loops, "_tables", {})
-    monkeypatch.setattr(format_loops, "_compiled", {})
+    monkeypatch.setattr(loop_functions, "TABLES", np.zeros_like(loop_functions.TABLES))
+    monkeypatch.setattr(loop_functions, "_tables", {})
+    monkeypatch.setattr(loop_functions, "_compiled", {})
     monkeypatch.setattr(_attention, "_plans", {})
     phase, fetched = ["warm-up"], []
-    compile_, timed = format_loops._compile, demo._timed
+    compile_, timed = loop_functions._compile, demo._timed
 
     def fetch(acc, code, field):
-        fetched.append((phase[0], code, format_loops.LOOP_FIELDS[field]))
+        fetched.append((phase[0], code, loop_functions.LOOP_FIELDS[field]))
         return compile_(acc, code, field)
 
     def timed_run(*args, **kwargs):
         phase[0] = "timed"
         return timed(*args, **kwargs)
 
-    monkeypatch.setattr(format_loops, "_compile", fetch)
+    monkeypatch.setattr(loop_functions, "_compile", fetch)
     monkeypatch.setattr(demo, "_timed", timed_run)
     assert main(["demo", "--size", "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "2",
                  "--kv-dtype", "float16", "--threads", "1"]) == 0
     capsys.readouterr()
-    assert ("warm-up", format_loops.F32, "gemm_scores") in fetched, fetched  # the tile products were fetched
+    assert ("warm-up", loop_functions.F32, "gemm_scores") in fetched, fetched  # the tile products were fetched
     assert [f for f in fetched if f[0] == "timed"] == []
 
 

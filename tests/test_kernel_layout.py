@@ -28,7 +28,7 @@ KERNEL_LAYERS = [
     ["simd"],
     ["gemm", "widen", "softmax"],
     ["decode_loops"],
-    ["format_loops"],
+    ["loop_functions"],
     ["attention", "narrow", "quantize", "scatter", "read_bandwidth"],
 ]
 
@@ -111,7 +111,7 @@ GUARDED = [m for m in KERNEL_MODULES + RUNTIME_MODULES
 def test_the_guarded_modules_are_the_expected_ones():
     # A new module whose kernels inline helpers joins GUARDED by itself;
     # this pins the list so that losing one (a parsing slip) shows.
-    assert {"numkv._kernels.attention", "numkv._kernels.format_loops", "numkv._kernels.narrow",
+    assert {"numkv._kernels.attention", "numkv._kernels.loop_functions", "numkv._kernels.narrow",
             "numkv._kernels.scatter", "numkv._runtime.protocol"} <= set(GUARDED)
 
 

@@ -430,7 +430,7 @@ def test_the_tile_widening_gives_the_dequantised_values(fmt, f16c):
     row_bytes = storage.shape[-1]
     code = FORMAT_RECORDS[fmt].code
 
-    @njit  # ``code`` a constant of it, as in format_loops' functions
+    @njit  # ``code`` a constant of it, as in loop_functions' functions
     def kernel(out, r0, n, width, buf, base, seq_stride, stride, table, formats):
         widen._rows_quantized(out, r0, n, width, buf, code, base, seq_stride, stride, table, formats)
 
@@ -468,7 +468,7 @@ def test_decode_loops_read_quantized_rows_in_place(fmt, f16c):
     code = FORMAT_RECORDS[fmt].code
     query = rng.standard_normal((4, d)).astype(np.float32)
 
-    @njit  # ``code`` a constant of it, as in format_loops' functions
+    @njit  # ``code`` a constant of it, as in loop_functions' functions
     def run(rows, ld, q, values, scores, ones):
         zero = np.uint64(0)
         width = np.uint64(q.shape[1])

@@ -21,11 +21,11 @@ from numkv._kernels.cpu import has_avx512
 pytestmark = pytest.mark.skipif(not has_avx512(), reason="the host has no AVX-512: numba compiles no 512-bit code")
 
 _PROGRAM = """
-from numkv._kernels import format_loops, narrow
+from numkv._kernels import loop_functions, narrow
 from numkv._kernels.layout import F32, GEMM_SOFTMAX, SOFTMAX
 import numpy as np
 for field in (GEMM_SOFTMAX, SOFTMAX):
-    print(format_loops._compile(0, F32, field)._library.get_asm_str())
+    print(loop_functions._compile(0, F32, field)._library.get_asm_str())
 narrow.to_float16(0, 1, np.zeros(64, np.float32), np.zeros(64, np.uint16))
 print(next(iter(narrow.to_float16.inspect_asm().values())))
 """

@@ -40,7 +40,7 @@ def runnable(forced):
                         "compiles it for a CPU that has it)")
 
 
-# The tile loop of each narrow dtype (``format_loops`` compiles it into the
+# The tile loop of each narrow dtype (``loop_functions`` compiles it into the
 # C function that widens that dtype's rows).
 TILE_LOOPS = {"float16": widen._rows_float16, "bfloat16": widen._rows_bfloat16, "float8_e4m3fn": widen._rows_e4m3fn,
               "float8_e4m3fnuz": widen._rows_fnuz, "float8_e5m2": widen._rows_e5m2,
@@ -140,7 +140,7 @@ def test_decode_loops_widen_every_pattern_exactly(name, length, forced):
     code = kernel_dtype_codes(kernels.DTYPE_CODES)[dtype]
     patterns = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}")
 
-    @njit  # ``code`` a constant of it, as in format_loops' functions: the loops of that format only
+    @njit  # ``code`` a constant of it, as in loop_functions' functions: the loops of that format only
     def widen_all(v_rows, keys, q, values, scores, ones, q_rows):
         width = np.uint64(q.size)
         whole = values.shape[1] // 4

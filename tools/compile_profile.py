@@ -17,7 +17,7 @@ host's descheduling), exclusive of nested regions, per
 * compiled function (``numba:compile`` events, inclusive of the functions
   compiled while typing it).
 
-The loops of each K/V format (``numkv._kernels.format_loops``: C functions
+The loops of each K/V format (``numkv._kernels.loop_functions``: C functions
 compiled on demand) count too, as ``_compile.<locals>.scores`` and the like
 (numkv fires the compile event for them).  Prints JSON; the figures of
 2026-11-26 are in docs/compile-time.md.

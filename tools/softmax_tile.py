@@ -4,7 +4,7 @@
     python tools/softmax_tile.py 256 256
 
 Calls the tile softmax that the matrix products' tiles take (the C function
-``format_loops`` compiles for ``GEMM_SOFTMAX``, float32) through ctypes on a
+``loop_functions`` compiles for ``GEMM_SOFTMAX``, float32) through ctypes on a
 tile of random scores that is in cache, every row attending every key, and
 prints the median of 200 calls, less that of a call with no rows (the
 ctypes call itself, ~1 us), and its cost per score.  What the whole call
@@ -17,12 +17,12 @@ import time
 
 import numpy as np
 
-from numkv._kernels import format_loops
+from numkv._kernels import loop_functions
 from numkv._kernels.layout import F32, GEMM_SOFTMAX
 
 
 def main(rows=256, n=512, calls=200):
-    function = format_loops._compile(0, F32, GEMM_SOFTMAX)
+    function = loop_functions._compile(0, F32, GEMM_SOFTMAX)
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     softmax = ctypes.CFUNCTYPE(i, p, i, p, i, p, i, p, i, p, i, p, i, p, i, p, i, *[i] * 9, f, f)(function.address)
     scores = (np.random.default_rng(0).standard_normal((rows, n)) * 3).astype(np.float32)

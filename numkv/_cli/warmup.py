@@ -122,7 +122,7 @@ def _quantized_group():
     ``tensor_scatter`` into a ``QuantizedArray`` (float or quantised
     updates, linear and circular) and ``StaticKVCache`` of each block format
     in both modes, read through ``attention_inputs()``.  It
-    compiles each format's loops (``format_loops``' C functions, one set per
+    compiles each format's loops (``loop_functions``' C functions, one set per
     format) and the block quantisation (``_kernels.quantize``); alone
     (``--group``) it warms exactly what a quantised decoder needs."""
     rng = np.random.default_rng(0)

@@ -17,12 +17,12 @@ The modules beside this one, each imported only by those above it::
     widen         bits -> float per K/V format; tiles; the formats read in place
     softmax       the online softmax of a tile of scores, and its float32 exp
     decode_loops  decode's fused loops: four keys' dot products, value runs
-    format_loops  the C functions this kernel calls by address, compiled on
+    loop_functions  the C functions this kernel calls by address, compiled on
                   demand: each format's loops and widening, the products,
                   the softmax, the merge and output rows
 
 Compilation.  The loops that depend on a K/V format, and the products,
-softmax and output steps, are C functions of their own (``format_loops``),
+softmax and output steps, are C functions of their own (``loop_functions``),
 compiled when a call first needs them and called through ``loops``, a table
 of their addresses, once per tile (``simd._run``): this kernel compiles once
 per accumulation dtype and a new format adds only its own loops.  A call
@@ -56,9 +56,9 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take register-blocked matrix products (``gemm``), which skip the
 blocks past every key their rows attend; few rows (decode) take loops that
-score four rows against four keys per pass (``format_loops._score_keys``)
+score four rows against four keys per pass (``decode_loops._score_keys``)
 and add a run of keys' values to four rows at a time, their accumulators
-held in registers over the run (``format_loops._add_values``).
+held in registers over the run (``decode_loops._add_values``).
 
 Online softmax per row, once per tile (``_softmax_tile``): ``m' = max(m,
 max_j s_j)``, ``alpha = e^(m - m')``, ``p_j = e^(s_j - m')`` (a float32
@@ -108,24 +108,19 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
-from .format_loops import loop_table, read_in_place  # noqa: F401 (the wrapper's)
-
-# The contract with the wrapper (re-exported: ``_attention.run`` reads it here).
-from .layout import (  # noqa: F401
-    BASE, BATCH, BF16, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, DTYPE_CODES, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ,
-    E8M0, F16, F32, F64, FINISH, FLOAT_FIELDS, FORMAT_FIELDS, FORMAT_TABLE, GEMM_ROWS, GEMM_SCORES, GEMM_SOFTMAX,
-    GEMM_VALUES, HAS_MASK, HEAD_SIZE, INFNAN_EM, INT_FIELDS, KV_HEADS, LEFT, NAN_BITS, NAN_EM,
-    NONE, N_CHUNKS, N_Q_TILES, N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCALE_EXPONENT, SCORES,
-    SCORE_SCALE, SHIFT, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TENSORS, TENSOR_FIELDS,
-    TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE,
-)
 from .._runtime.protocol import pool_enter, pool_exit
+from .layout import (BASE, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, F32, F64, FINISH, GEMM_ROWS, GEMM_SCORES,
+                     GEMM_SOFTMAX, GEMM_VALUES, HAS_MASK, HEAD_SIZE, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES,
+                     N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCORES, SCORE_SCALE, SOFTCAP, SOFTMAX, STRIDE_B,
+                     STRIDE_D, STRIDE_H, STRIDE_S, TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, VALUES,
+                     V_HEAD_SIZE)
 from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _full_width_loops, _max, _min, _run, _view
 from .widen import _kv_tile, _widen_rows_of
 
-# sha256 of the sources of the modules this one compiles into its kernels
-# (every ``numkv`` module it imports, and theirs): see the module docstring;
-# ``tests/test_kernel_layout.py`` prints the value to set.
+# The contract with the wrapper, read here by ``_attention.run`` (``kernels.NAME``).
+from .layout import DTYPE_CODES, FLOAT_FIELDS, FORMAT_TABLE, TENSOR_FIELDS, TENSORS  # noqa: F401
+from .loop_functions import loop_table, read_in_place  # noqa: F401
+
 # Past ``INT_FIELDS`` in ``ints`` (paged keys only): the page size, then the
 # page of keys ``p * page .. (p + 1) * page - 1`` at ``PAGES + p``: K and V's
 # batch index is then the page, their sequence index the row in it.  The
@@ -136,7 +131,10 @@ from .widen import _kv_tile, _widen_rows_of
 PAGE_SIZE = len(INT_FIELDS)
 PAGES = PAGE_SIZE + 1
 
-HELPERS_SHA256 = "1a386db590376e46b907f78dc0d7d0260d84c65bb97904e32ccee18c8cdbec85"
+# sha256 of the sources of the modules this one compiles into its kernels
+# (every ``numkv`` module it imports, and theirs): see the module docstring;
+# ``tests/test_kernel_layout.py`` prints the value to set.
+HELPERS_SHA256 = "eaa8ab5dfd4c14a7e13e7789205e7003d7019dd41bad9c75a016d16c3bce5e95"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""Decode's fused loops, in LLVM IR: few query rows (``R`` = 1, 2 or 4)
-scored against four keys a pass (``_dots``), and a run of keys' values
-added to one or four rows' accumulators held in registers (``_axpy``).
+"""Decode's loops: a tile's query rows scored against its keys
+(``_score_keys``: four keys a pass, four rows then two then one, each pass
+one ``_dots``) and its keys' values added to the rows' accumulators
+(``_add_values``: runs of keys, each one ``_axpy``).  ``_dots`` and
+``_axpy`` are LLVM IR: few query rows (``R`` = 1, 2 or 4) against four keys,
+and a run of keys' values added to one or four rows' accumulators held in
+registers.
 
 Both read K/V rows as they lie in the cache -- float32, or a narrow format of
 ``widen.FORMATS`` widened vector by vector as it is loaded -- for one format,
-a constant of the caller (``_per_format``; ``format_loops`` compiles them a
+a constant of the caller (``_per_format``; ``loop_functions`` compiles them a
 format at a time, on demand).  A new format read in place is its
 ``widen.FORMATS`` entry; the loops here take it from there.
 
@@ -16,14 +20,18 @@ only, never on which pass or neighbours took it (GQA equals MHA with K/V
 repeated; a masked key at a tile's end changes nothing).
 """
 
+import math
+
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .._config import jit
 from .cpu import has_f16c
 from .layout import F32, F64
-from .simd import (_BYTES, VECTOR_BYTES, _broadcast, _emit_loop, _emit_prefetch, _fmuladd, _load, _masked_memory,
-                   _phis, _reduce_lanes)
+from .simd import (_BYTES, PREFETCH_KEYS, VECTOR_BYTES, _broadcast, _emit_loop, _emit_prefetch, _fmuladd, _load,
+                   _masked_memory, _min, _phis, _reduce_lanes)
 from .widen import FORMATS, IN_PLACE, _load_widened
 
 # Vectors of D a run of ``_axpy`` takes per row: four rows' 16 accumulators
@@ -290,3 +298,107 @@ def _blocks(narrow, real, rows):
         return False
     assert fmt.block == AXPY_RUN_VECTORS * VECTOR_BYTES // _BYTES[str(real)], narrow
     return fmt.block_cpu()
+
+
+# -- scores: s = Q K^T -------------------------------------------------------------------
+
+
+@jit(inline=True)
+def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
+    """``s[r * n + j] = q_r . k_j`` for the ``rows`` query rows of ``qf``
+    (``d_k`` apart) and the ``n`` key rows at elements ``ko + j * kld`` of
+    the raw bytes ``kb``, of format ``code``: four keys a pass, scored
+    against four query rows (then two, then one; ``_dots``); ``prefetch``:
+    the keys ahead, where ``kb`` is the cache itself.  A pass past the last
+    key repeats it (and stores only the tile's scores): every score comes
+    from the same sum, so its bits depend neither on the number of rows
+    (GQA equals MHA with K/V repeated) nor on the tile's length (a masked
+    key at its end changes nothing)."""
+    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
+    ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
+    last_key = n - 1
+    for j in range(0, n, 4):
+        keys = (j, _min(j + 1, last_key), _min(j + 2, last_key), _min(j + 3, last_key))
+        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
+                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
+        count, s0, stride = _min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
+        r = 0
+        while r + 4 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                    np.uint64(r + 3) * width)
+            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                    s0 + np.uint64(r + 3) * stride)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
+            r += 4
+        if r + 2 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+                  d_k, code, ahead)
+            r += 2
+        if r < rows:
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code, ahead)
+
+
+# -- values: acc += p V --------------------------------------------------------------------
+
+
+# Keys one call of ``_axpy`` adds to the rows of a tile with no masked key:
+# the longer the run, the longer the accumulators stay in registers (runs
+# of 16: 0.80x the value update's time of runs of 4 at D = 64), except
+# float32 rows longer than a run of vectors, streamed (16 took 1.09-1.27x
+# there).  The log: docs/performance.md, "Figures moved out of the code".
+AXPY_KEYS, AXPY_KEYS_LONG_FLOAT32 = 16, 4
+
+
+@jit(inline=True)
+def _add_values(pf, accf, vb, vo, vld, rows, n, d_v, prefetch, code):
+    """``acc_r += sum_j p[r * n + j] v_j`` for the ``rows`` accumulators of
+    ``accf`` (``d_v`` apart) and the ``n`` value rows at elements ``vo + j *
+    vld`` of the raw bytes ``vb``, of format ``code``, leaving masked keys
+    out (weight ``-0.0``: a masked key's V may hold inf or NaN, and 0 * inf
+    is NaN).  An attended key whose weight underflowed to ``+0.0`` counts,
+    as in the reference.
+
+    One key after another is added to each element (an FMA chain, no
+    reassociation, ``_axpy``), whichever keys and rows a pass groups: a
+    row's bits do not depend on its neighbours, nor on which pass took it.
+    Where no weight of the tile is zero, rows go four at a time (each
+    loaded V vector feeds four rows); the others one at a time, in runs of
+    unmasked keys.  A run holds at most ``AXPY_KEYS`` keys
+    (``AXPY_KEYS_LONG_FLOAT32`` for float32 rows longer than a run of
+    ``AXPY_RUN_VECTORS`` vectors)."""
+    at, ld, stride = np.uint64(vo), np.uint64(vld), np.uint64(n)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    zeros = 0
+    for t in range(rows * n):
+        zeros += pf[t] == 0
+    rows4 = rows - rows % 4 if zeros == 0 else 0
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
+    # Blocks of four rows outer, keys inner: the first block reads V from
+    # memory, later ones from L2 (4 rows x 256 keys, D = 64 / 128: 5.9 / 10.6
+    # ns a key, against 10.4 / 15.5 with keys outer; 2 threads, Skv=16384,
+    # Hq=32: Hkv=8 float32 4.6-4.8 ms against 4.8-4.9, Hkv=4 2.9-3.3 against
+    # 7.0-7.1).
+    for r in range(0, rows4, 4):
+        block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v), np.uint64((r + 3) * d_v))
+        for j in range(0, n, run):
+            w = np.uint64(r * n + j)
+            _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
+                  at + np.uint64(j) * ld, ld, ahead if prefetch and r == 0 else np.uint64(0), _min(run, n - j),
+                  d_v, code)
+    for r in range(rows4, rows):
+        j = 0
+        while j < n:
+            stop = j + 1
+            if not _masked(pf[r * n + j]):
+                while stop < _min(j + run, n) and not _masked(pf[r * n + stop]):
+                    stop += 1
+                _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
+                      ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
+            j = stop
+
+
+@jit(inline=True)
+def _masked(weight):
+    """Whether a weight is a masked key's ``-0.0`` (``attention._exp``)."""
+    return weight == 0 and math.copysign(1.0, weight) < 0

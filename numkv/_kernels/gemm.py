@@ -273,7 +273,7 @@ def _gemm_accumulate(p, vf, vo, vld, acc, rows, n, d_v, hi, nq, j0):
     ``j0 ..``.  A block of rows stops at the last key any of them attends
     (past it their weights are 0, and those keys are not read); a key that
     only some of its rows attend is read with weight 0 for the others
-    (``format_loops`` hands a tile whose such keys' V is not finite to the
+    (``loop_functions`` hands a tile whose such keys' V is not finite to the
     loops)."""
     columns = _block_columns(vf)
     for i in range(0, rows, BLOCK_ROWS):

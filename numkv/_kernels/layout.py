@@ -25,7 +25,7 @@ INT_FIELDS = (
 TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")
 T_Q, T_PAST_K, T_K, T_PAST_V, T_V, T_MASK, T_Y = range(len(TENSORS))
 # ``in_place``: 1 where the kernel reads the K / V rows where they lie
-# (``format_loops.read_in_place``), 0 where it widens them into tiles.
+# (``loop_functions.read_in_place``), 0 where it widens them into tiles.
 TENSOR_FIELDS = ("base", "stride_b", "stride_h", "stride_s", "stride_d", "dtype", "in_place")
 BASE, STRIDE_B, STRIDE_H, STRIDE_S, STRIDE_D, DTYPE, IN_PLACE_ROWS = range(len(TENSOR_FIELDS))
 
@@ -75,7 +75,7 @@ for _code, _row in FORMAT_ROWS.items():
     FORMAT_TABLE[_code] = _row
 del _code, _row
 
-# -- LOOP_FIELDS: the loops of each format, compiled on demand (``format_loops``) --
+# -- LOOP_FIELDS: the loops of each format, compiled on demand (``loop_functions``) --
 # ``loops[code, field]``, the kernel's ``loops`` argument (one table per
 # accumulation dtype): the address of the C function that scores keys of
 # dtype ``code`` (``scores``), adds their values (``values``), or widens

@@ -16,7 +16,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "db2317e5e14d87c510556fa532f4845c81aea1c36517fcac34257b1b2f8dc20c"
+HELPERS_SHA256 = "505e4466526c1251f59056b10b418361d2c926143f0ebdab13306661f03bbb5a"
 
 CHUNK = 1 << 16  # elements a work item
 

@@ -332,7 +332,7 @@ def _run(typingctx, address, args):
     compiled on its own and linked at run time, so the caller's compilation
     neither includes nor re-optimises it.
 
-    Returns 1 where the call failed, else 0: ``format_loops``' functions
+    Returns 1 where the call failed, else 0: ``loop_functions``' functions
     return 1 when done, and numba's C functions return 0 where an exception
     stopped them (it is printed, not propagated: an index out of bounds under
     ``NUMBA_BOUNDSCHECK``); an address of 0 (a table entry the wrapper left
@@ -370,7 +370,7 @@ def _run(typingctx, address, args):
 
 
 LOOP_FAILED = ("a numkv loop stopped on an exception (printed above: an index out of bounds?), "
-               "or one this call needs was not compiled (format_loops.addresses)")
+               "or one this call needs was not compiled (loop_functions.addresses)")
 
 
 # -- vectors ----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 float32 ``exp`` it takes (``_exp``), and its end: the merge of a split key
 range's partial softmaxes (``_merge_chunks``) and the output rows ``y = acc
 / l`` (``_write_rows``).  Compiled per accumulation dtype into C functions
-of their own (``format_loops``) -- the softmax one for decode's loops and
+of their own (``loop_functions``) -- the softmax one for decode's loops and
 one for the matrix products' tiles (``fast_sum``) -- each when a call first
 needs it.
 
@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "0f00d3ea9b1c178970966e8965c6f2cb2dda72148d3ac47da06293cd6d4801f2"
+HELPERS_SHA256 = "309b08b1e5740ab8d954b99190c6ca0a3590a1eaabbf38a4ea93536e49d9a00e"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its

@@ -14,7 +14,7 @@ Two ways in:
 
 A new format read in place is one ``FORMATS`` entry (its IR widening, its
 bits an element, what it needs of the CPU), its dtype code in ``layout``,
-and its ``_rows_*`` loop for the tile path (``format_loops`` picks it).  The
+and its ``_rows_*`` loop for the tile path (``loop_functions`` picks it).  The
 quantised formats (``numkv._formats``' records: codes with scales) are read
 by IR built from their record's fields (``_load_quantized``, and 32 at a
 time ``_emit_quant_block``): a new one is its record, nothing here.
@@ -402,7 +402,7 @@ def _copy_rows(dst, r0, n, width, src, base, seq_stride, step):
 def _widen_rows_of(loops, dst, r0, n, width, buf, code, base, seq_stride, stride, table, formats):
     """``dst[r0 + t, c] = value(buf, base + t * seq_stride + c * stride)`` for
     ``t < n``, ``c < width``: elements of dtype ``code`` widened to ``dst``'s
-    dtype, by that format's C function (``format_loops``: ``_prefetch_rows``,
+    dtype, by that format's C function (``loop_functions``: ``_prefetch_rows``,
     then its ``_rows_*`` loop), at ``loops[code, WIDEN]``; 1 where that
     failed (``simd._run``), else 0."""
     return _run(loops[code, WIDEN], (dst, buf, table, formats, r0, n, width, base, seq_stride, stride))
@@ -589,7 +589,7 @@ def _kv_tile(scratch, tile, j0, n, width, b, hk, buf, desc, t, table, formats, l
     at, ld, code, in_place, failed)``: key ``j``'s row is the ``width``
     elements of dtype ``code`` from element ``at + j * ld`` of ``bytes``.
     The buffer itself where the wrapper says the kernel reads its rows in
-    place (``desc``'s ``IN_PLACE_ROWS``: ``format_loops.read_in_place``);
+    place (``desc``'s ``IN_PLACE_ROWS``: ``loop_functions.read_in_place``);
     else ``scratch``, whose accumulation-dtype view ``tile`` is filled by
     widening (``failed``: 1 where that failed, ``simd._run``)."""
     base, seq_stride = _tile_origin(j0, b, hk, desc, t)
