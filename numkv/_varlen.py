@@ -160,8 +160,8 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
     key_cache, value_cache : array or QuantizedArray, shape ``(num_blocks, block_size, Hkv, D)`` / ``(..., Dv)``
         The page pool: token ``t`` of sequence ``i`` sits in page
         ``block_table[i, t // block_size]``, row ``t % block_size``.  Any K/V
-        dtype ``numkv.attention`` reads, QuantizedArray pages included (q8_0,
-        q4_0; int8 / int4 with a per-tensor scale); never gathered into a copy.
+        dtype ``numkv.attention`` reads, QuantizedArray pages included (any of
+        ``numkv.quantize``'s formats); never gathered into a copy.
     block_table : int array, shape ``(N, max_blocks)``
         Entries past a sequence's last page are not read (-1 is fine there).
     seq_lens : int array, shape ``(N,)``
