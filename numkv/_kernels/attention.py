@@ -134,7 +134,7 @@ PAGES = PAGE_SIZE + 1
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "eaa8ab5dfd4c14a7e13e7789205e7003d7019dd41bad9c75a016d16c3bce5e95"
+HELPERS_SHA256 = "4caa3c08d066ee92ab492b3ff21cdaef20ffaa476fa92d3d94549dea35e4f70f"
 
 
 # -- work items --------------------------------------------------------------------------

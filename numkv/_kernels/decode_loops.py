@@ -2,7 +2,7 @@
 (``_score_keys``: four keys a pass, four rows then two then one, each pass
 one ``_dots``) and its keys' values added to the rows' accumulators
 (``_add_values``: runs of keys, each one ``_axpy``).  ``_dots`` and
-``_axpy`` are LLVM IR: few query rows (``R`` = 1, 2 or 4) against four keys,
+``_axpy`` are LLVM IR: few query rows (``R`` = 1, 2 or 4) against two or four keys,
 and a run of keys' values added to one or four rows' accumulators held in
 registers.
 
@@ -25,25 +25,34 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .._config import jit
 from .cpu import has_f16c
 from .layout import F32, F64
-from .simd import (_BYTES, PREFETCH_KEYS, VECTOR_BYTES, _broadcast, _emit_loop, _emit_prefetch, _fmuladd, _load,
-                   _masked_memory, _min, _phis, _reduce_lanes)
+from .simd import (_BYTES, PREFETCH_KEYS, _broadcast, _emit_loop, _emit_prefetch, _fmuladd, _load,
+                   _masked_memory, _min, _phis, _reduce_lanes, _register_bytes)
 from .widen import FORMATS, IN_PLACE, _load_widened
 
-# Vectors of D a run of ``_axpy`` takes per row: four rows' 16 accumulators
-# fill half the registers; in float32, 64 elements (a block of ``_blocks``).
-AXPY_RUN_VECTORS = 4
+# The loops' blocks fit the CPU's vector registers: AVX-512's 32 of 64
+# bytes, or AVX2's 16 of 32 (``cpu.has_avx512``).  A vector of the loops is
+# one register.  ``_dots`` scores four query rows against ``DOT_KEYS`` keys
+# a pass (16 or 8 sums in registers), and a run of ``_axpy`` holds
+# ``AXPY_RUN_VECTORS`` vectors of D a row (four rows: 16 or 8 accumulators,
+# half the registers; AVX-512's float32 run, 64 elements, is a block of
+# ``_blocks``).  AVX2 with AVX-512's blocks (64-byte vectors, two registers
+# each) spilled ~33 registers an iteration of the q8_0 scores; the decodes
+# took 1.1-1.7x their time now (docs/performance.md, "Decode's blocks on AVX2").
+VECTOR_BYTES = _register_bytes()
+DOT_KEYS = 4 if VECTOR_BYTES == 64 else 2
+AXPY_RUN_VECTORS = 4 if VECTOR_BYTES == 64 else 2
 
 
 @intrinsic(prefer_literal=True)
 def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
-    """The ``4 * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
-    ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, four in
-    ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
+    """The ``K * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
+    ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, ``K`` =
+    two or four in ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
     (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
     last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
     raw bytes holding elements of dtype ``code`` (a constant:
@@ -65,7 +74,7 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     byte table keeps the sign of a NaN pattern, its bit arithmetic does
     not)."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
-            and isinstance(out_at, types.UniTuple) and k_at.count == 4 and q_at.count in (1, 2, 4)
+            and isinstance(out_at, types.UniTuple) and k_at.count in (2, 4) and q_at.count in (1, 2, 4)
             and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype
             and isinstance(code, types.IntegerLiteral)):
         return None
@@ -84,7 +93,7 @@ def _emit_dots(context, builder, sig, args):
 
     def rows(elem, narrow):
         keys = builder.bitcast(k_arr.data, elem.as_pointer())
-        k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(4)]
+        k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(sig.args[6].count)]
         return _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead)
 
     row_ty = ir.VectorType(real, 4)
@@ -99,12 +108,13 @@ def _emit_dots(context, builder, sig, args):
 
 
 def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
-    """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its four
-    keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``);
+    """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its two
+    or four keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``);
     each vector of a key row loaded asks for the one ``ahead`` elements on
     (``_axpy``'s ``ahead``)."""
     i64 = ir.IntType(64)
-    lanes = VECTOR_BYTES // _BYTES[str(real)]
+    # (at least eight lanes: ``_reduce_lanes`` gathers eight sums a vector)
+    lanes = max(8, VECTOR_BYTES // _BYTES[str(real)])
     vec = ir.VectorType(real, lanes)
     whole = _whole_vectors(builder, length, lanes, narrow)
 
@@ -117,7 +127,7 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
             if width > 1:
                 for row in k_rows:
                     _emit_prefetch(builder, builder.gep(row, [builder.add(at, ahead)]))
-            return [builder.call(fn, [qv, kv, accs[4 * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
+            return [builder.call(fn, [qv, kv, accs[nk * r + j]]) for r, qv in enumerate(qs) for j, kv in enumerate(ks)]
         return body
 
     def block(at, accs):  # four vector steps, each sum's FMAs in the same order
@@ -129,13 +139,14 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
             _emit_prefetch(builder, builder.gep(row, [builder.add(at, ahead)]))
             for r, q_parts in enumerate(qs):
                 for qv, kv in zip(q_parts, ks):
-                    accs[4 * r + j] = builder.call(fn, [qv, kv, accs[4 * r + j]])
+                    accs[nk * r + j] = builder.call(fn, [qv, kv, accs[nk * r + j]])
         return accs
 
-    n_sums, i32 = 4 * len(q_rows), ir.IntType(32)
+    nk = len(k_rows)
+    n_sums, i32 = nk * len(q_rows), ir.IntType(32)
     if isinstance(whole, ir.Constant):  # no vector loop
         sums = _emit_loop(builder, whole, length, 1, [ir.Constant(real, 0.0)] * n_sums, step(1, real))
-        return _as_rows(builder, sums)
+        return _as_rows(builder, sums, nk)
     start, vectors = ir.Constant(i64, 0), [ir.Constant(vec, None)] * n_sums
     if _blocks(narrow, real, len(q_rows)):
         fmt = FORMATS[narrow]
@@ -143,31 +154,34 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
         start, vectors = blocks, _emit_loop(builder, start, blocks, fmt.block, vectors, block)
     vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
     reduced = [_reduce_lanes(builder, vectors[first:first + 8]) for first in range(0, n_sums, 8)]
-    # The rows straight from the reduced lanes (eight sums a vector: two
-    # rows); where D has a tail, one element at a time on from them.
-    whole_rows = [builder.shuffle_vector(reduced[r // 2], reduced[r // 2],
-                                         ir.Constant(ir.VectorType(i32, 4), [4 * (r % 2) + t for t in range(4)]))
+    # The rows straight from the reduced lanes (eight sums a vector: two or
+    # four rows; lanes past a row's keys repeat its last, never stored);
+    # where D has a tail, one element at a time on from them.
+    whole_rows = [builder.shuffle_vector(reduced[nk * r // 8], reduced[nk * r // 8],
+                                         ir.Constant(ir.VectorType(i32, 4), [nk * r % 8 + min(t, nk - 1)
+                                                                             for t in range(4)]))
                   for r in range(len(q_rows))]
     before = builder.block
     tail, after = builder.append_basic_block("tail"), builder.append_basic_block("tail.after")
     builder.cbranch(builder.icmp_signed("<", whole, length), tail, after)
     builder.position_at_end(tail)
     sums = [builder.extract_element(reduced[i // 8], ir.Constant(i32, i % 8)) for i in range(n_sums)]
-    tail_rows = _as_rows(builder, _emit_loop(builder, whole, length, 1, sums, step(1, real)))
+    tail_rows = _as_rows(builder, _emit_loop(builder, whole, length, 1, sums, step(1, real)), nk)
     tail_end = builder.block
     builder.branch(after)
     builder.position_at_end(after)
     return _phis(builder, [(whole_rows, before), (tail_rows, tail_end)])
 
 
-def _as_rows(builder, sums):
-    """IR: sums ``4 r + j`` as one ``<4 x real>`` a row ``r``."""
+def _as_rows(builder, sums, nk):
+    """IR: sums ``nk r + j`` as one ``<4 x real>`` a row ``r`` (lanes past
+    ``nk`` repeat the last)."""
     row = ir.Constant(ir.VectorType(sums[0].type, 4), None)
     rows = []
-    for first in range(0, len(sums), 4):
+    for first in range(0, len(sums), nk):
         vector = row
         for j in range(4):
-            vector = builder.insert_element(vector, sums[first + j], ir.Constant(ir.IntType(32), j))
+            vector = builder.insert_element(vector, sums[first + min(j, nk - 1)], ir.Constant(ir.IntType(32), j))
         rows.append(vector)
     return rows
 
@@ -294,10 +308,10 @@ def _blocks(narrow, real, rows):
     blocks costs ~0.1-0.2 s of a cold call's compilation).  A block is one
     run of ``_axpy`` (``AXPY_RUN_VECTORS`` vectors)."""
     fmt = FORMATS.get(narrow)
-    if fmt is None or not fmt.block or real != ir.FloatType() or rows != 4:
+    if fmt is None or not fmt.block or real != ir.FloatType() or rows != 4 or not fmt.block_cpu():
         return False
     assert fmt.block == AXPY_RUN_VECTORS * VECTOR_BYTES // _BYTES[str(real)], narrow
-    return fmt.block_cpu()
+    return True
 
 
 # -- scores: s = Q K^T -------------------------------------------------------------------
@@ -307,36 +321,64 @@ def _blocks(narrow, real, rows):
 def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
     """``s[r * n + j] = q_r . k_j`` for the ``rows`` query rows of ``qf``
     (``d_k`` apart) and the ``n`` key rows at elements ``ko + j * kld`` of
-    the raw bytes ``kb``, of format ``code``: four keys a pass, scored
-    against four query rows (then two, then one; ``_dots``); ``prefetch``:
-    the keys ahead, where ``kb`` is the cache itself.  A pass past the last
-    key repeats it (and stores only the tile's scores): every score comes
-    from the same sum, so its bits depend neither on the number of rows
-    (GQA equals MHA with K/V repeated) nor on the tile's length (a masked
-    key at its end changes nothing)."""
-    at, ld, width = np.uint64(ko), np.uint64(kld), np.uint64(d_k)
+    the raw bytes ``kb``, of format ``code``: ``DOT_KEYS`` keys a pass
+    scored against four query rows (then two, then one; ``_dots``), or, for
+    fewer than four rows, four keys a pass;
+    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
+    past the last key repeats it (and stores only the tile's scores): every
+    score comes from the same sum, so its bits depend neither on the number
+    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
+    masked key at its end changes nothing)."""
+    at, ld = np.uint64(ko), np.uint64(kld)
     ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
     last_key = n - 1
-    for j in range(0, n, 4):
-        keys = (j, _min(j + 1, last_key), _min(j + 2, last_key), _min(j + 3, last_key))
-        k_at = (at + np.uint64(keys[0]) * ld, at + np.uint64(keys[1]) * ld,
-                at + np.uint64(keys[2]) * ld, at + np.uint64(keys[3]) * ld)
-        count, s0, stride = _min(4, n - j), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
-        r = 0
-        while r + 4 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
-                    np.uint64(r + 3) * width)
-            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
-                    s0 + np.uint64(r + 3) * stride)
-            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
-            r += 4
-        if r + 2 <= rows:
-            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
-                  d_k, code, ahead)
-            r += 2
-        if r < rows:
-            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code, ahead)
+    if rows >= 4:
+        for j in range(0, n, DOT_KEYS):
+            _score_rows(qf, sf, kb, _key_offsets(at, ld, j, last_key, DOT_KEYS), _min(DOT_KEYS, n - j), j, n, rows,
+                        d_k, code, ahead)
+    else:  # (fewer rows, four keys a pass: on AVX2 a row's two keys' sums left the FMAs waiting, 1.26x the time)
+        for j in range(0, n, 4):
+            _score_rows(qf, sf, kb, _key_offsets(at, ld, j, last_key, 4), _min(4, n - j), j, n, rows, d_k, code,
+                        ahead)
+
+
+def _key_offsets(at, ld, j, last_key, keys):
+    """The elements where keys ``j .. j + keys - 1`` start (``at + key *
+    ld``), a tuple; keys past ``last_key`` repeat it.  ``keys``: 2 or 4, a
+    constant."""
+
+
+@overload(_key_offsets, inline="always", prefer_literal=True)
+def _key_offsets_of(at, ld, j, last_key, keys):  # (the tuple's length is chosen here, in Python)
+    def two(at, ld, j, last_key, keys):
+        return at + np.uint64(j) * ld, at + np.uint64(_min(j + 1, last_key)) * ld
+
+    def four(at, ld, j, last_key, keys):
+        return (at + np.uint64(j) * ld, at + np.uint64(_min(j + 1, last_key)) * ld,
+                at + np.uint64(_min(j + 2, last_key)) * ld, at + np.uint64(_min(j + 3, last_key)) * ld)
+    return four if keys.literal_value == 4 else two
+
+
+@jit(inline=True)
+def _score_rows(qf, sf, kb, k_at, count, j, n, rows, d_k, code, ahead):
+    """The passes of ``_score_keys`` over one group of keys (``k_at``, the
+    first ``count`` of them the tile's): four query rows a pass (where the
+    group is of ``DOT_KEYS``), then two, then one."""
+    width, s0, stride = np.uint64(d_k), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
+    r = 0
+    while r + 4 <= rows and len(k_at) == DOT_KEYS:
+        q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width, np.uint64(r + 3) * width)
+        s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                s0 + np.uint64(r + 3) * stride)
+        _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
+        r += 4
+    if r + 2 <= rows:
+        q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+        _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+              d_k, code, ahead)
+        r += 2
+    if r < rows:
+        _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code, ahead)
 
 
 # -- values: acc += p V --------------------------------------------------------------------

@@ -16,7 +16,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "505e4466526c1251f59056b10b418361d2c926143f0ebdab13306661f03bbb5a"
+HELPERS_SHA256 = "d97d23706e99138b3159f943b224bcf5efd7d9a87c8d8ff72c8f332178eac318"
 
 CHUNK = 1 << 16  # elements a work item
 

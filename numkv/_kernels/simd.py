@@ -30,9 +30,6 @@ from numba.extending import intrinsic
 from .cpu import has_avx512
 
 
-# Bytes a vector of the loops holds: one AVX-512 register (two AVX2 ones).
-VECTOR_BYTES = 64
-
 # How many keys ahead the loops prefetch key and value rows (~8 KiB of float32
 # rows at D = 128: far enough to hide the memory latency; see ``_prefetch``).
 # A constant: numba freezes it into the compiled kernel.
