@@ -399,3 +399,31 @@ def test_a_small_call_keeps_the_gil_and_a_long_one_lets_go(default_threads):
         other.join()
         sys.setswitchinterval(interval)
     assert max(small) == 0 and long_ > 0, (small, long_)
+
+
+_TRACED_CALLS = """
+import sys, tracemalloc
+import numpy as np
+import numkv
+from numkv._runtime import pool
+if sys.argv[1:] == ["unguarded"]:
+    pool._tracing = lambda: False
+numkv.set_num_threads(2)
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, 16, 1, 128), dtype=np.float32)
+k, v = (rng.standard_normal((1, 4, 4096, 128), dtype=np.float32) for _ in "kv")
+numkv.attention(q, k, v)  # compiled; two threads that keep the GIL (2**24 multiply-adds)
+tracemalloc.start()
+for _ in range(200):
+    numkv.attention(q, k, v)
+tracemalloc.stop()
+print("done")
+"""
+
+
+def test_calls_on_two_threads_while_tracemalloc_traces():
+    """A worker's allocation goes through tracemalloc's hook, which takes
+    the GIL: a call that kept it while its workers ran deadlocked (the
+    suite's tracemalloc test hung once in ~10 runs); under tracing every
+    call on several threads lets go of the GIL."""
+    assert run_script(_TRACED_CALLS, timeout=120).strip() == "done"

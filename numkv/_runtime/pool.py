@@ -17,7 +17,11 @@ its own pool:
 * a small call keeps the GIL from start to end, so beside a busy Python
   thread it never waits for Python's switch interval (5 ms) to get it back;
   a long one (``release_gil``: the caller's estimate that it runs longer
-  than the switch interval) lets other Python threads run meanwhile;
+  than the switch interval) lets other Python threads run meanwhile, and
+  so does every call on several threads while ``tracemalloc`` traces: a
+  worker's allocation (numba's runtime allocates through Python's raw
+  allocator) then calls tracemalloc's hook, which takes the GIL -- held by
+  the caller, which waits for the worker: a deadlock;
 * idle workers sleep on a futex; a worker whose jobs come close together
   (the gap before its last job shorter than ``CLOSE_US``) first spins
   ``SPIN_US`` for the next: waking a sleeping thread costs tens of
@@ -32,6 +36,7 @@ import ctypes
 import os
 import threading
 import time
+from _tracemalloc import is_tracing as _tracing
 
 from . import thread_count
 from .control import (CALLER, CLAIMED, FAIL_INFO, FAIL_STATUS, MAX_THREADS, N_ITEMS, RELEASE, SEQ, THREADS,
@@ -111,6 +116,7 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, rel
         kernel(0, n_items, *args, *ALONE)
         _pool.last_end = time.perf_counter()
         return
+    release_gil = release_gil or _tracing()  # (see the module docstring)
     locked = _pool.lock.acquire(blocking=False)
     try:
         if locked:
