@@ -218,12 +218,14 @@ def _scaled(builder, codes, f, scale, minimum):
     return values
 
 
-def _load_quantized(builder, row, at, width, f):
+def _load_quantized(builder, row, at, width, f, header=None):
     """IR: elements ``at .. at + width`` of the quantised row of bytes ``row``
     (format ``f``, a ``_formats.Format``) as float32: a block format's codes
     times their block's float16 scale (plus its minimum; the block of 32
     holding them: ``at`` is a multiple of ``width``, which divides 16), a
-    given-scale format's codes."""
+    given-scale format's codes.  ``header``: the block's ``(first code
+    byte, element within it, scale, minimum)``, loaded already
+    (``_load_quantized_run``)."""
     i8, i64 = ir.IntType(8), ir.IntType(64)
     c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
     vec = (lambda elem: ir.VectorType(elem, width)) if width > 1 else (lambda elem: elem)
@@ -237,9 +239,12 @@ def _load_quantized(builder, row, at, width, f):
 
     scale = minimum = None
     if f.derived:
-        block = builder.mul(builder.lshr(at, c64(5)), c64(f.block_bytes))
-        scale, minimum = _block_header(builder, builder.gep(row, [block]), f, width)
-        within, first = builder.and_(at, c64(QUANT_BLOCK - 1)), builder.add(block, c64(f.header))
+        if header is None:
+            block = builder.mul(builder.lshr(at, c64(5)), c64(f.block_bytes))
+            scale, minimum = _block_header(builder, builder.gep(row, [block]), f, width)
+            within, first = builder.and_(at, c64(QUANT_BLOCK - 1)), builder.add(block, c64(f.header))
+        else:
+            first, within, scale, minimum = header
         if f.bits == 8:
             codes = load(builder.add(first, within), width)
         else:  # "halves": byte j holds elements j (low nibble) and j + 16 (high)
@@ -252,6 +257,27 @@ def _load_quantized(builder, row, at, width, f):
     else:
         codes = _nibbles(builder, load(builder.lshr(at, c64(1)), width // 2), f.nibbles)
     return _scaled(builder, codes, f, scale, minimum)
+
+
+def _load_quantized_run(builder, row, at, width, parts, f):
+    """IR: ``parts`` vectors of ``width`` elements from element ``at`` on of
+    the quantised row ``row`` (``_load_quantized`` each), a block's scale
+    (and minimum) loaded once for the vectors it covers, not once a vector:
+    ``at`` is a multiple of ``min(QUANT_BLOCK, parts * width)``.  The values
+    are the same."""
+    c64 = lambda v: ir.Constant(ir.IntType(64), v)  # noqa: E731
+    if not f.derived or width == 1:
+        return [_load_quantized(builder, row, builder.add(at, c64(c * width)), width, f) for c in range(parts)]
+    out = []
+    for c in range(parts):
+        element = builder.add(at, c64(c * width))
+        if c * width % QUANT_BLOCK == 0:  # the run's first vector, or the first of its next block
+            block = builder.mul(builder.lshr(element, c64(5)), c64(f.block_bytes))
+            scale, minimum = _block_header(builder, builder.gep(row, [block]), f, width)
+            first, within, header_at = builder.add(block, c64(f.header)), builder.and_(element, c64(QUANT_BLOCK - 1)), c
+        header = (first, builder.add(within, c64((c - header_at) * width)), scale, minimum)
+        out.append(_load_quantized(builder, row, element, width, f, header=header))
+    return out
 
 
 @dataclass(frozen=True)
@@ -270,7 +296,10 @@ class Format:
     not ``at * bits / 8`` bytes into its row (the quantised ones, whose
     blocks hold a scale beside their codes), the IR of its elements ``at ..
     at + width`` as float32 from the row's first byte ``row``: the loops
-    then hand it the row's start and the element index (``widen`` unused)."""
+    then hand it the row's start and the element index (``widen`` unused);
+    ``load_run(builder, row, at, width, parts)``: ``parts`` such vectors on
+    from ``at`` (a multiple of ``min(32, parts * width)``), a block's scale
+    loaded once (``_load_quantized_run``)."""
 
     code: int
     bits: int
@@ -280,6 +309,7 @@ class Format:
     widen_block: Callable = None
     block_cpu: Callable = None
     load: Callable = None
+    load_run: Callable = None
 
 
 FORMATS = {  # in this order in every loop's switch (``decode_loops._per_format``)
@@ -289,7 +319,8 @@ FORMATS = {  # in this order in every loop's switch (``decode_loops._per_format`
                      block=E4M3FN_BLOCK, widen_block=_widen_e4m3fn_block, block_cpu=has_vbmi),
     "e5m2": Format(E5M2, 8, _widen_e5m2, needs_f16c=True),
     # The quantised formats (``numkv._formats``' records), read by ``_load_quantized``.
-    **{name: Format(f.code, 8, None, load=functools.partial(_load_quantized, f=f))
+    **{name: Format(f.code, 8, None, load=functools.partial(_load_quantized, f=f),
+                    load_run=functools.partial(_load_quantized_run, f=f))
        for name, f in _formats.FORMATS.items()},
 }
 # The narrow K/V dtypes float32 decode's loops read in place (``_kv_tile``,
@@ -314,6 +345,16 @@ def _load_widened(builder, row, at, width, narrow):
     ty = ir.VectorType(elem, width) if width > 1 else elem
     value = builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=_BYTES[str(elem)])
     return _widen_ir(builder, value, narrow, has_f16c()) if narrow else value
+
+
+def _load_widened_run(builder, row, at, width, parts, narrow):
+    """IR: ``parts`` vectors of ``width`` elements on from ``row[at]``
+    (``_load_widened`` each); a quantised format's from its ``load_run``
+    (``at``: a multiple of ``min(32, parts * width)``)."""
+    if narrow is not None and FORMATS[narrow].load_run is not None:
+        return FORMATS[narrow].load_run(builder, row, at, width, parts)
+    return [_load_widened(builder, row, builder.add(at, ir.Constant(ir.IntType(64), c * width)), width, narrow)
+            for c in range(parts)]
 
 
 def _narrow_intrinsic(narrow, bits, doc):
