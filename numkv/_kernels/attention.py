@@ -134,7 +134,7 @@ PAGES = PAGE_SIZE + 1
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "93d97afb24a41737f57a2728d05330c20b0d0a80266e095f31744555307b5035"
+HELPERS_SHA256 = "8245d751eca030dcea8f524655e4b25e9138a9705d151214dee47216cb9de04c"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -47,6 +47,9 @@ from .widen import FORMATS, IN_PLACE, _load_widened, _load_widened_run
 VECTOR_BYTES = _register_bytes()
 DOT_KEYS = 4 if VECTOR_BYTES == 64 else 2
 AXPY_RUN_VECTORS = 4 if VECTOR_BYTES == 64 else 2
+# One row's run on AVX2: eight vectors, eight FMA chains under way (with two,
+# MHA's decodes took 1.1-1.3x their time in AVX-512's layout).
+AXPY_RUN_VECTORS_ONE_ROW = 4 if VECTOR_BYTES == 64 else 8
 
 
 @intrinsic(prefer_literal=True)
@@ -75,7 +78,7 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     byte table keeps the sign of a NaN pattern, its bit arithmetic does
     not)."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
-            and isinstance(out_at, types.UniTuple) and k_at.count in (2, 4) and q_at.count in (1, 2, 4)
+            and isinstance(out_at, types.UniTuple) and (k_at.count in (2, 4) or k_at.count == 8 and q_at.count == 1) and q_at.count in (1, 2, 4)
             and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype
             and isinstance(code, types.IntegerLiteral)):
         return None
@@ -97,10 +100,12 @@ def _emit_dots(context, builder, sig, args):
         k_rows = [builder.gep(keys, [builder.extract_value(args[6], j)]) for j in range(sig.args[6].count)]
         return _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead)
 
-    row_ty = ir.VectorType(real, 4)
+    width = max(4, sig.args[6].count)  # a row's stored sums (those past ``count`` masked)
+    row_ty = ir.VectorType(real, width)
     i32 = ir.IntType(32)
     count = builder.trunc(context.cast(builder, args[2], count_ty, types.int64), i32)
-    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, 4), [0, 1, 2, 3]), _broadcast(builder, count, 4))
+    mask = builder.icmp_unsigned("<", ir.Constant(ir.VectorType(i32, width), list(range(width))),
+                                 _broadcast(builder, count, width))
     store = _masked_memory(builder, "store", row_ty)
     for r, row in enumerate(_per_format(sig.args[8], real, rows)):
         at = builder.gep(out_arr.data, [builder.extract_value(args[1], r)])
@@ -175,9 +180,10 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
     # The rows straight from the reduced lanes (eight sums a vector: two or
     # four rows; lanes past a row's keys repeat its last, never stored);
     # where D has a tail, one element at a time on from them.
+    row_lanes = max(4, nk)
     whole_rows = [builder.shuffle_vector(reduced[nk * r // 8], reduced[nk * r // 8],
-                                         ir.Constant(ir.VectorType(i32, 4), [nk * r % 8 + min(t, nk - 1)
-                                                                             for t in range(4)]))
+                                         ir.Constant(ir.VectorType(i32, row_lanes), [nk * r % 8 + min(t, nk - 1)
+                                                                                     for t in range(row_lanes)]))
                   for r in range(len(q_rows))]
     before = builder.block
     tail, after = builder.append_basic_block("tail"), builder.append_basic_block("tail.after")
@@ -192,13 +198,14 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
 
 
 def _as_rows(builder, sums, nk):
-    """IR: sums ``nk r + j`` as one ``<4 x real>`` a row ``r`` (lanes past
-    ``nk`` repeat the last)."""
-    row = ir.Constant(ir.VectorType(sums[0].type, 4), None)
+    """IR: sums ``nk r + j`` as one ``<max(4, nk) x real>`` a row ``r``
+    (lanes past ``nk`` repeat the last)."""
+    lanes = max(4, nk)
+    row = ir.Constant(ir.VectorType(sums[0].type, lanes), None)
     rows = []
     for first in range(0, len(sums), nk):
         vector = row
-        for j in range(4):
+        for j in range(lanes):
             vector = builder.insert_element(vector, sums[first + min(j, nk - 1)], ir.Constant(ir.IntType(32), j))
         rows.append(vector)
     return rows
@@ -216,7 +223,8 @@ def _axpy(typingctx, acc, acc_at, p, p_at, v, v_at, ld, ahead, keys, length, cod
     already -- a branch around the request made LLVM compile every loop
     twice, and measured no faster).
 
-    LLVM IR.  ``D`` is taken in runs of ``AXPY_RUN_VECTORS`` vectors, then
+    LLVM IR.  ``D`` is taken in runs of ``AXPY_RUN_VECTORS`` vectors (one
+    row: ``AXPY_RUN_VECTORS_ONE_ROW``), then
     of one, then of one element; in each run the rows' accumulators are loaded once, take
     every key's FMAs in registers, and are stored once (``AXPY_KEYS``).
     Each element takes the same chain whichever run holds it."""
@@ -281,10 +289,11 @@ def _emit_axpy(context, builder, sig, args):
 
         whole, start = _whole_vectors(builder, length, lanes, narrow), ir.Constant(i64, 0)
         if not isinstance(whole, ir.Constant):
-            start = builder.and_(length, ir.Constant(i64, -AXPY_RUN_VECTORS * lanes))
+            run_vectors = AXPY_RUN_VECTORS if n_rows > 1 else AXPY_RUN_VECTORS_ONE_ROW
+            start = builder.and_(length, ir.Constant(i64, -run_vectors * lanes))
             blocks = _blocks(narrow, real, n_rows)
-            _emit_loop(builder, ir.Constant(i64, 0), start, AXPY_RUN_VECTORS * lanes, [],
-                       run(lanes, AXPY_RUN_VECTORS, blocks))
+            _emit_loop(builder, ir.Constant(i64, 0), start, run_vectors * lanes, [],
+                       run(lanes, run_vectors, blocks))
             _emit_loop(builder, start, whole, lanes, [], run(lanes, 1, False))
         _emit_loop(builder, whole, length, 1, [], run(1, 1, False))
         return []
@@ -349,7 +358,12 @@ def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
     at, ld = np.uint64(ko), np.uint64(kld)
     ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
     last_key = n - 1
-    if rows >= 4:
+    if rows == 1 and DOT_KEYS == 2:  # (one row on AVX2: eight keys a pass keep eight sums under way; with
+        # four, MHA's q8_0 scores took 1.16x the time they took in 16 lanes)
+        for j in range(0, n, 8):
+            _dots(sf, (np.uint64(j),), _min(8, n - j), qf, (np.uint64(0),), kb, _key_offsets(at, ld, j, last_key, 8),
+                  d_k, code, ahead)
+    elif rows >= 4:
         for j in range(0, n, DOT_KEYS):
             _score_rows(qf, sf, kb, _key_offsets(at, ld, j, last_key, DOT_KEYS), _min(DOT_KEYS, n - j), j, n, rows,
                         d_k, code, ahead)
@@ -361,7 +375,7 @@ def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
 
 def _key_offsets(at, ld, j, last_key, keys):
     """The elements where keys ``j .. j + keys - 1`` start (``at + key *
-    ld``), a tuple; keys past ``last_key`` repeat it.  ``keys``: 2 or 4, a
+    ld``), a tuple; keys past ``last_key`` repeat it.  ``keys``: 2, 4 or 8, a
     constant."""
 
 
@@ -373,7 +387,13 @@ def _key_offsets_of(at, ld, j, last_key, keys):  # (the tuple's length is chosen
     def four(at, ld, j, last_key, keys):
         return (at + np.uint64(j) * ld, at + np.uint64(_min(j + 1, last_key)) * ld,
                 at + np.uint64(_min(j + 2, last_key)) * ld, at + np.uint64(_min(j + 3, last_key)) * ld)
-    return four if keys.literal_value == 4 else two
+
+    def eight(at, ld, j, last_key, keys):
+        return (at + np.uint64(j) * ld, at + np.uint64(_min(j + 1, last_key)) * ld,
+                at + np.uint64(_min(j + 2, last_key)) * ld, at + np.uint64(_min(j + 3, last_key)) * ld,
+                at + np.uint64(_min(j + 4, last_key)) * ld, at + np.uint64(_min(j + 5, last_key)) * ld,
+                at + np.uint64(_min(j + 6, last_key)) * ld, at + np.uint64(_min(j + 7, last_key)) * ld)
+    return {2: two, 4: four, 8: eight}[keys.literal_value]
 
 
 @jit(inline=True)
