@@ -34,14 +34,8 @@ if TYPE_CHECKING:
 MODES = ("linear", "circular")
 _IS_CIRCULAR = {mode: mode == "circular" for mode in MODES}
 
-# Below this many bytes moved the serial kernel wins: the parallel launch
-# costs more than the copy itself (see README, "Benchmarks").
-PARALLEL_MIN_BYTES = 1 << 18
-# From this many bytes moved a copy lets other Python threads run meanwhile
-# (``_runtime.pool``): ~5 ms, Python's switch interval, at the ~10 GB/s a
-# thread copies.
-RELEASE_GIL_BYTES = 1 << 25
-CHUNK_BYTES = 1 << 16
+# The copy policy (``PARALLEL_MIN_BYTES``, ``RELEASE_GIL_BYTES``,
+# ``CHUNK_BYTES``) is ``_config``'s tunables, read at call time.
 _INT64 = np.dtype(np.int64)
 
 _kernels = None
@@ -211,11 +205,11 @@ def tensor_scatter(
                 for start in starts.tolist():
                     if not 0 <= start <= last:
                         _write_positions(starts.tolist(), seq_len, max_seq, False)  # raises, naming the row
-            if n_bytes < PARALLEL_MIN_BYTES:  # on this thread, as pool.run would (its call costs ~0.3 us)
+            if n_bytes < _config.PARALLEL_MIN_BYTES:  # on this thread, as pool.run would (its call costs ~0.3 us)
                 kernels.scatter_items(0, n_items, dst, upd, dst, plan, starts, circular, *pool.ALONE)
             else:
                 pool.run(kernels.scatter_items, n_items, (dst, upd, dst, plan, starts, circular),
-                         release_gil=n_bytes >= RELEASE_GIL_BYTES)
+                         release_gil=n_bytes >= _config.RELEASE_GIL_BYTES)
             return out
 
     if type(past_cache) is QuantizedArray:  # codes and scales: checked, then scattered as bytes
@@ -298,8 +292,8 @@ def _scatter(past_cache, update, write_indices, axis, mode, out):
     args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
             plan, starts, circular)
     # Small copies stay on the calling thread (cheaper than handing out shares).
-    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES,
-             release_gil=n_bytes >= RELEASE_GIL_BYTES)
+    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < _config.PARALLEL_MIN_BYTES,
+             release_gil=n_bytes >= _config.RELEASE_GIL_BYTES)
     return result
 
 
@@ -356,9 +350,9 @@ def _new_append(key, out, update):
             # compiled variant (~0.9 s cold); KV caches are 4-D.
             direct = dtype is _FLOAT32 and out.ndim == 4
             # Batch 1: the index of the whole row but the sequence axis.
-            window = (slice(None),) * ax if out.shape[0] == 1 and n_bytes < PARALLEL_MIN_BYTES else None
+            window = (slice(None),) * ax if out.shape[0] == 1 and n_bytes < _config.PARALLEL_MIN_BYTES else None
             # One token into unit-stride rows, small enough for the calling thread.
-            token = seq_len == 1 and plan[5] != 0 and n_bytes < PARALLEL_MIN_BYTES
+            token = seq_len == 1 and plan[5] != 0 and n_bytes < _config.PARALLEL_MIN_BYTES
             entry = ((out.shape[0],), window, plan, n_items, n_bytes, _UNSIGNED[unit], _IS_CIRCULAR[mode],
                      max_seq - seq_len, direct, seq_len, max_seq, token)
     if len(_appends) >= 1024:
@@ -456,7 +450,7 @@ def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, strides):
     contiguous = all(np.array_equal(c, np.arange(n_cols)) for c in cols)
     # Positions per work item: ~64 KiB each, so a long copy spreads over the
     # threads while a 1-token append stays one item per row.
-    chunk = max(1, CHUNK_BYTES // (n_cols * unit))
+    chunk = max(1, _config.CHUNK_BYTES // (n_cols * unit))
     header = [n_rows, n_cols, seq_len, max_seq, int(not in_place), int(contiguous), *seq, chunk]
     batch_of = np.arange(n_rows, dtype=np.int64) // (n_rows // shape[0])
     # (Left writeable: numba types a read-only argument on a slow path, +2 us a call.)

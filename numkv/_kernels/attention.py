@@ -136,7 +136,7 @@ from .widen import _kv_tile, _widen_rows_of
 PAGE_SIZE = len(INT_FIELDS)
 PAGES = PAGE_SIZE + 1
 
-HELPERS_SHA256 = "1a386db590376e46b907f78dc0d7d0260d84c65bb97904e32ccee18c8cdbec85"
+HELPERS_SHA256 = "306703ae5568f5feaddd58e994034ca1b3268b7a0fe2f2b41f65af40f05fa49d"
 
 
 # -- work items --------------------------------------------------------------------------

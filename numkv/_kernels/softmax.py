@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "0f00d3ea9b1c178970966e8965c6f2cb2dda72148d3ac47da06293cd6d4801f2"
+HELPERS_SHA256 = "34c5873e46fbdf3cb7d781b569da3896a08cd746a4520b8c8395c4fbfb6a206b"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its
