@@ -31,39 +31,8 @@ if TYPE_CHECKING:  # only for the annotations: numpy.typing is not imported at r
 # kernel accumulate in float64; the others are met by float32 accumulation.
 SOFTMAX_PRECISIONS = (1, 10, 11, 16)
 
-# Tile and thread policy (the measurements that set each constant:
-# docs/performance.md, "The tile and thread policy's measurements").  A work
-# item scores ``G * block_q`` query rows against ``block_k`` keys a tile.
-# * Prefill (>= ``GEMM_MIN_ROWS`` rows): matrix-product tiles of 256 rows x
-#   512 keys, long enough to spread the softmax's per-row work, small enough
-#   for an L2; the rows halve (to ``MIN_ROWS_PER_TILE``) while there are
-#   fewer than ``TARGET_GEMM_ITEMS`` tiles.
-# * Decode: the loop kernel, ``LOOP_BLOCK_K`` keys a tile (fewer, longer
-#   tiles: 1-7% faster than 128).
-# * Few work items: the keys split into chunks of at least ``MIN_CHUNK`` for
-#   ``TARGET_ITEMS`` items, by the shapes only (Y never depends on the thread
-#   count); calls under ``SPLIT_MACS`` keep them whole (a merge costs more).
-# * Threads: calls under ``SINGLE_THREAD_MACS`` stay on the caller, but for
-#   those from ``HOT_THREAD_MACS`` when calls come back to back (a worker is
-#   then awake: 1.2-1.7x, where after a gap its wake costs more than it
-#   saves); larger ones take one thread per ``THREAD_MACS`` (16 Intel
-#   cores, the old pool: more threads were slower below that).
-GEMM_MIN_ROWS = 16
-ROWS_PER_TILE, MIN_ROWS_PER_TILE, GEMM_BLOCK_K = 256, 128, 512
-LOOP_BLOCK_K = 256
-TARGET_ITEMS, TARGET_GEMM_ITEMS = 256, 64
-MIN_CHUNK = 512
-SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 21, 1 << 23, 1 << 22
-HOT_THREAD_MACS = 1 << 19  # from here to SINGLE_THREAD_MACS, two threads where the workers are awake
-GIL_MACS = 1 << 26  # multiply-adds a thread, above which a call lets go of the GIL (``_releases_gil``)
-# Threads claim work items one at a time rather than take equal shares: a
-# worker that wakes late or runs slow then takes fewer (2 threads, medians of
-# interleaved calls: 1.01-1.06x faster decode, Skv 512-16384 and B=8; 1.09x
-# causal prefill S=2048; never slower).  Tests turn it off to split items
-# over threads in a known way.
-CLAIM_ITEMS = True
-# A float16 Y of at least this many elements is narrowed by numkv's kernel.
-NARROW_MIN = 1 << 16
+# The tile and thread policy (``GEMM_MIN_ROWS`` ... ``THREAD_MACS``, with the
+# figures that set them) is ``_config``'s tunables, read at call time.
 
 _kernels = None
 
@@ -246,9 +215,9 @@ def _int8_query(Q, K, past_key, qk_precision):
 # or ``nonpad_kv_seqlen`` (whose values change from call to call) and
 # aligned, C-contiguous, writeable ndarrays as Q, K and V take it.  What
 # else ``run`` reads that may change at run time is part of the signature
-# too: the thread policy above (tests change it); the tile constants are
-# fixed (tests pass tile sizes to ``run`` instead).
-PLANS_KEPT = 64
+# too: the thread thresholds (``_config``; tests change them).  The tile
+# tunables are not (tests pass tile sizes to ``run``, or empty ``_plans``
+# after changing one).
 _plans = {}
 # Attribute types a signature may hold: immutable, hashed by value.
 _PLAIN = frozenset([type(None), bool, int, float, np.bool_, np.int32, np.int64, np.float32, np.float64])
@@ -273,7 +242,7 @@ def _signature(Q, K, V, attributes, sinks=None):
     if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
     return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_, sinks,
-            SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS, CLAIM_ITEMS)
+            _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS, _config.CLAIM_ITEMS)
 
 
 def _keep(key, plan):
@@ -281,7 +250,7 @@ def _keep(key, plan):
     (a fork could inherit it held): each dict operation is atomic, and a
     race only drops a plan too many or too few."""
     _plans[key] = plan
-    while len(_plans) > PLANS_KEPT:
+    while len(_plans) > _config.PLANS_KEPT:
         try:
             del _plans[next(iter(_plans))]
         except (KeyError, RuntimeError, StopIteration):  # another thread got there first
@@ -339,7 +308,7 @@ def _finish(y, out_dtype):
     """Cast Y to the output dtype once, at the end."""
     if y.dtype == out_dtype:
         return y
-    if out_dtype == np.float16 and y.dtype == np.float32 and y.size >= NARROW_MIN:
+    if out_dtype == np.float16 and y.dtype == np.float32 and y.size >= _config.NARROW_MIN:
         return _to_float16(y)
     return y.astype(out_dtype)
 
@@ -368,7 +337,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     b, hq, sq, d = call.q.shape
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
     group = hq // hkv
-    gemm_rows = GEMM_MIN_ROWS if gemm_rows is None else gemm_rows
+    gemm_rows = _config.GEMM_MIN_ROWS if gemm_rows is None else gemm_rows
     auto_q, auto_k = _tiles(b * hkv, group, sq, gemm_rows)
     block_q = min(block_q or auto_q, sq)
     block_k = block_k or auto_k
@@ -383,8 +352,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         # Chunks exist to feed many threads; on one or two they add a merge
         # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
         # in 3 chunks).
-        kv_chunk = total if macs < SPLIT_MACS else _kv_chunk(b * hkv * n_q_tiles, total, block_k,
-                                                 TARGET_GEMM_ITEMS if uses_gemm else TARGET_ITEMS)
+        kv_chunk = total if macs < _config.SPLIT_MACS else _kv_chunk(
+            b * hkv * n_q_tiles, total, block_k, _config.TARGET_GEMM_ITEMS if uses_gemm else _config.TARGET_ITEMS)
     kv_chunk = max(1, min(kv_chunk, max(total, 1)))
     if call.pages is not None:  # chunks start where tiles do
         kv_chunk = -(-kv_chunk // block_k) * block_k
@@ -457,10 +426,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
 def _useful_threads(macs):
     """How many threads a call of ``macs`` multiply-adds is worth: one below
     ``SINGLE_THREAD_MACS``, else one per ``THREAD_MACS``, and at least two
-    (the measurements are in the comment above ``SINGLE_THREAD_MACS``)."""
-    if macs < SINGLE_THREAD_MACS:
+    (the measurements: ``_config``'s comment above ``SINGLE_THREAD_MACS``)."""
+    if macs < _config.SINGLE_THREAD_MACS:
         return 1
-    return max(2, int(macs // THREAD_MACS)) if THREAD_MACS else pool.MAX_WORKERS + 1  # (tests set 0: no limit)
+    per_thread = _config.THREAD_MACS
+    return max(2, int(macs // per_thread)) if per_thread else pool.MAX_WORKERS + 1  # (tests set 0: no limit)
 
 
 def _releases_gil(macs, threads):
@@ -472,7 +442,7 @@ def _releases_gil(macs, threads):
     take ~4.5 ms at a float32 decode's ~15 G/s a thread on a Zen 4, ~7 ms
     at ~9 G/s on a Zen 3 (prefill runs 3-5x faster, so a prefill lets go
     from ~1-2 ms: sooner than it must, at the cost of a wake)."""
-    return macs >= GIL_MACS * min(threads, thread_count._threads)
+    return macs >= _config.GIL_MACS * min(threads, thread_count._threads)
 
 
 @dataclass(slots=True)
@@ -521,9 +491,9 @@ class _Plan:
             part_m, part_acc = _NO_PARTS[size]
             part_l, chunks_done = part_m, _NO_COUNTER
         threads = self.threads
-        if threads == 1 and self.macs >= HOT_THREAD_MACS and pool.hot():  # calls back to back: two threads pay
+        if threads == 1 and self.macs >= _config.HOT_THREAD_MACS and pool.hot():  # back to back: two threads pay
             threads = 2
-        claimed = CLAIM_ITEMS and threads > 1
+        claimed = _config.CLAIM_ITEMS and threads > 1
         counter = np.zeros(1, np.int64) if claimed else _NO_COUNTER
         flat_y = y.reshape(-1)
         pool.run(kernels.attention_items, self.n_items * self.n_chunks, (
@@ -576,20 +546,20 @@ def _fields(names, **values):
 def _tiles(heads, group, sq, gemm_rows):
     """Default ``(block_q, block_k)`` for ``heads`` (batch x kv heads) of
     ``group`` query heads each."""
-    rows, keys = ROWS_PER_TILE, GEMM_BLOCK_K
-    while rows > MIN_ROWS_PER_TILE and heads * -(-sq // max(1, rows // group)) < TARGET_GEMM_ITEMS:
+    rows, keys, min_rows = _config.ROWS_PER_TILE, _config.GEMM_BLOCK_K, _config.MIN_ROWS_PER_TILE
+    while rows > min_rows and heads * -(-sq // max(1, rows // group)) < _config.TARGET_GEMM_ITEMS:
         rows //= 2  # smaller tiles, for enough work items
     block_q = max(1, min(sq, rows // group))
-    return block_q, keys if group * block_q >= gemm_rows else LOOP_BLOCK_K
+    return block_q, keys if group * block_q >= gemm_rows else _config.LOOP_BLOCK_K
 
 
 def _kv_chunk(n_items, total, block_k, target):
     """Key-range chunk length: split only when there are fewer than
     ``target`` work items."""
-    if n_items >= target or total <= MIN_CHUNK:
+    if n_items >= target or total <= _config.MIN_CHUNK:
         return max(total, 1)
     splits = -(-target // n_items)
-    chunk = max(MIN_CHUNK, -(-total // splits))
+    chunk = max(_config.MIN_CHUNK, -(-total // splits))
     return -(-chunk // block_k) * block_k
 
 

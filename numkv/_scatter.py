@@ -6,14 +6,14 @@ strings) and empty caches take the plain NumPy path (slice assignments), which
 tests can force with ``_config.REFERENCE``.
 
 The in-place append of a decode loop (``out=past_cache``, plain ndarrays, an
-int32/int64 ``write_indices`` array) has a fast path in front: the layout's
-checks and plan memoised in ``_appends``, the call's own checks (flags,
-overlap, indices) inlined, and one kernel call on the calling thread
+int32/int64 ``write_indices`` array) has a fast path in front (``_append``):
+the layout's checks and plan memoised in ``_appends``, the call's own checks
+(flags, overlap, indices) inlined, and one kernel call on the calling thread
 (float32 4-D arrays handed over whole; one token with int64 indices:
 ``append_token``, which copies and checks the indices itself), or one NumPy
-slice assignment (batch 1).
-Whatever it does not take, bad input included, falls through to the general
-path, which raises; nothing is written before every check has passed.
+slice assignment (batch 1).  Whatever it does not take, bad input included,
+falls through to the general path (``_scatter``), which raises; nothing is
+written before every check has passed.
 """
 
 from __future__ import annotations
@@ -34,14 +34,8 @@ if TYPE_CHECKING:
 MODES = ("linear", "circular")
 _IS_CIRCULAR = {mode: mode == "circular" for mode in MODES}
 
-# Below this many bytes moved the serial kernel wins: the parallel launch
-# costs more than the copy itself (see README, "Benchmarks").
-PARALLEL_MIN_BYTES = 1 << 18
-# From this many bytes moved a copy lets other Python threads run meanwhile
-# (``_runtime.pool``): ~5 ms, Python's switch interval, at the ~10 GB/s a
-# thread copies.
-RELEASE_GIL_BYTES = 1 << 25
-CHUNK_BYTES = 1 << 16
+# The copy policy (``PARALLEL_MIN_BYTES``, ``RELEASE_GIL_BYTES``,
+# ``CHUNK_BYTES``) is ``_config``'s tunables, read at call time.
 _INT64 = np.dtype(np.int64)
 
 _kernels = None
@@ -145,95 +139,148 @@ def tensor_scatter(
     array([[1., 0., 0., 2.],
            [0., 2., 1., 0.]], dtype=float32)
     """
-    # The in-place append of a decode loop (plain ndarrays, an int64 or int32
-    # write_indices array) is pure call overhead: the layout's checks and plan
-    # come from one dict lookup (``_appends``), the call's own checks are
-    # inlined, then one kernel call on the calling thread.  Whatever it does
-    # not take (bad input included) goes on to the general path, which raises.
+    # An in-place append of plain ndarrays (a decode loop's) tries the fast
+    # path first; whatever it does not take, bad input included, goes on to
+    # the general path, which raises.
     if (out is past_cache and type(out) is _NDARRAY and type(update) is _NDARRAY
             and type(write_indices) is _NDARRAY and type(axis) is int and type(mode) is str):
-        # The flags as NumPy's bits (NPY_ARRAY_*): one attribute each, not three.
-        out_bits, update_bits = out.flags.num, update.flags.num
-        dtype = out.dtype
-        # C-contiguous arrays of one shape and dtype share a plan whatever the
-        # strides of their size-1 axes: the key spares two stride tuples (~0.2 us).
-        contiguous = out_bits & update_bits & _C_CONTIGUOUS
-        if contiguous:
-            key = (out.shape, update.shape, dtype, axis, mode)
-        else:
-            key = (out.shape, update.shape, dtype, axis, mode, out.strides, update.strides)
-        append = _appends.get(key, _NEW)
-        if append is _NEW:
-            append = _new_append(key, out, update)
-        w_dtype = write_indices.dtype
-        if (append is not None and update.dtype is dtype and write_indices.shape == append[0]
-                and (w_dtype is _INT64 or w_dtype is _INT32) and not _config.REFERENCE
-                and out_bits & _WRITEABLE_ALIGNED == _WRITEABLE_ALIGNED and update_bits & _ALIGNED
-                and ((out.base is None and update.base is None and update is not out)
-                     or not np.may_share_memory(out, update))):
-            _, window, plan, n_items, n_bytes, utype, circular, last, direct, seq_len, max_seq, token = append
-            # Whole float32 arrays: the kernel views them itself (see
-            # ``_kernels/scatter._units``), no view objects made here (-0.6 us;
-            # docs/performance.md, "Figures moved out of the code").
-            whole = direct and contiguous and update_bits & _WRITEABLE
-            if window is not None and not (whole and token and w_dtype is _INT64):
-                # Batch 1, a small write: one NumPy slice assignment where it
-                # does not wrap (no kernel launch: 1.85 us); whole float32
-                # arrays take append_token (1.75 us).
-                start = int(write_indices[0])
-                if circular:
-                    start %= max_seq
-                elif not 0 <= start <= last:
-                    _write_positions([start], seq_len, max_seq, False)  # raises, naming the row
-                if start <= last:
-                    out[window + (slice(start, start + seq_len),)] = update
-                    return out
-            if whole:
-                dst, upd = out, update
-            elif contiguous:
-                dst = out.ravel().view(utype)
-                upd = update.ravel().view(utype) if update_bits & _WRITEABLE else flat_units(update, utype.itemsize)
-            else:
-                dst = flat_units(out, utype.itemsize)
-                upd = flat_units(update, utype.itemsize)
-            kernels = _kernels or _scatter_kernels()
-            if token and w_dtype is _INT64 and write_indices.flags.num & _C_CONTIGUOUS:
-                # One token into unit-stride rows, on this thread: the kernel
-                # copies and checks the caller's indices itself (a private copy
-                # checked here cost 0.5 us of 2.8 at batch 4).
-                bad, start = kernels.append_token(dst, upd, plan, write_indices, circular)
-                if bad >= 0:  # (what the kernel read: the caller's array may have changed since)
-                    raise _index_error(bad, start, seq_len, max_seq)
-                return out
-            # The kernel runs without the GIL: it reads a checked private copy.
-            starts = write_indices.copy() if w_dtype is _INT64 else write_indices.astype(_INT64)
-            if not circular:  # (a loop: min() and max() cost 0.26 us at batch 4, the loop 0.11)
-                for start in starts.tolist():
-                    if not 0 <= start <= last:
-                        _write_positions(starts.tolist(), seq_len, max_seq, False)  # raises, naming the row
-            if n_bytes < PARALLEL_MIN_BYTES:  # on this thread, as pool.run would (its call costs ~0.3 us)
-                kernels.scatter_items(0, n_items, dst, upd, dst, plan, starts, circular, *pool.ALONE)
-            else:
-                pool.run(kernels.scatter_items, n_items, (dst, upd, dst, plan, starts, circular),
-                         release_gil=n_bytes >= RELEASE_GIL_BYTES)
-            return out
-
+        done = _append(out, update, write_indices, axis, mode)
+        if done is not None:
+            return done
     if type(past_cache) is QuantizedArray:  # codes and scales: checked, then scattered as bytes
         return _scatter_quantized(past_cache, update, write_indices, axis, mode, out)
     return _scatter(past_cache, update, write_indices, axis, mode, out)
 
 
+# --------------------------------------------------------------------------
+# the fast path: an in-place append
+
+
+def _append(out, update, write_indices, axis, mode):
+    """``tensor_scatter(out, update, write_indices, out=out)`` of plain
+    ndarrays and an int32 / int64 ``write_indices`` array (``tensor_scatter``
+    checked the arguments' types), the in-place append of a decode loop:
+    pure call overhead, so the layout's checks and plan come from one dict
+    lookup (``_appends``) and the call's own checks are inlined, then one
+    write on the calling thread (a large one on the pool).  ``out``, or None
+    where it does not take the call: the general path then runs (and raises
+    on bad input); nothing is written before every check has passed.  (Its
+    writes stay inline: a Python call costs ~2% of a 1-token append.)"""
+    # The flags as NumPy's bits (NPY_ARRAY_*): one attribute each, not three.
+    out_bits, update_bits = out.flags.num, update.flags.num
+    dtype = out.dtype
+    # C-contiguous arrays of one shape and dtype share a plan whatever the
+    # strides of their size-1 axes: the key spares two stride tuples (~0.2 us).
+    contiguous = out_bits & update_bits & _C_CONTIGUOUS
+    if contiguous:
+        key = (out.shape, update.shape, dtype, axis, mode)
+    else:
+        key = (out.shape, update.shape, dtype, axis, mode, out.strides, update.strides)
+    append = _appends.get(key, _NEW)
+    if append is _NEW:
+        append = _new_append(key, out, update)
+    w_dtype = write_indices.dtype
+    if not (append is not None and update.dtype is dtype and write_indices.shape == append[0]
+            and (w_dtype is _INT64 or w_dtype is _INT32) and not _config.REFERENCE
+            and out_bits & _WRITEABLE_ALIGNED == _WRITEABLE_ALIGNED and update_bits & _ALIGNED
+            and ((out.base is None and update.base is None and update is not out)
+                 or not np.may_share_memory(out, update))):
+        return None
+    _, window, plan, n_items, n_bytes, utype, circular, last, direct, seq_len, max_seq, token = append
+    # Whole float32 arrays: the kernel views them itself (see
+    # ``_kernels/scatter._units``), no view objects made here (-0.6 us;
+    # docs/performance.md, "Figures moved out of the code").
+    whole = direct and contiguous and update_bits & _WRITEABLE
+    if window is not None and not (whole and token and w_dtype is _INT64):
+        # Batch 1, a small write: one NumPy slice assignment where it does
+        # not wrap (no kernel launch: 1.85 us); whole float32 arrays take
+        # append_token (1.75 us).
+        start = int(write_indices[0])
+        if circular:
+            start %= max_seq
+        elif not 0 <= start <= last:
+            _write_positions([start], seq_len, max_seq, False)  # raises, naming the row
+        if start <= last:
+            out[window + (slice(start, start + seq_len),)] = update
+            return out
+    if whole:
+        dst, upd = out, update
+    elif contiguous:
+        dst = out.ravel().view(utype)
+        upd = update.ravel().view(utype) if update_bits & _WRITEABLE else flat_units(update, utype.itemsize)
+    else:
+        dst = flat_units(out, utype.itemsize)
+        upd = flat_units(update, utype.itemsize)
+    kernels = _kernels or _scatter_kernels()
+    if token and w_dtype is _INT64 and write_indices.flags.num & _C_CONTIGUOUS:
+        # One token into unit-stride rows, on this thread: the kernel
+        # copies and checks the caller's indices itself (a private copy
+        # checked here cost 0.5 us of 2.8 at batch 4).
+        bad, start = kernels.append_token(dst, upd, plan, write_indices, circular)
+        if bad >= 0:  # (what the kernel read: the caller's array may have changed since)
+            raise _index_error(bad, start, seq_len, max_seq)
+        return out
+    # The kernel runs without the GIL: it reads a checked private copy.
+    starts = write_indices.copy() if w_dtype is _INT64 else write_indices.astype(_INT64)
+    if not circular:  # (a loop: min() and max() cost 0.26 us at batch 4, the loop 0.11)
+        for start in starts.tolist():
+            if not 0 <= start <= last:
+                _write_positions(starts.tolist(), seq_len, max_seq, False)  # raises, naming the row
+    if n_bytes < _config.PARALLEL_MIN_BYTES:  # on this thread, as pool.run would (its call costs ~0.3 us)
+        kernels.scatter_items(0, n_items, dst, upd, dst, plan, starts, circular, *pool.ALONE)
+    else:
+        pool.run(kernels.scatter_items, n_items, (dst, upd, dst, plan, starts, circular),
+                 release_gil=n_bytes >= _config.RELEASE_GIL_BYTES)
+    return out
+
+
+# --------------------------------------------------------------------------
+# the general path
+
+
 def _scatter(past_cache, update, write_indices, axis, mode, out):
-    """``tensor_scatter``'s general path: every input it takes, checked and
-    normalised (``_layouts``: once per layout), then the kernel or, for
-    object arrays and empty caches, ``scatter_reference``.  (The fast path,
-    an in-place append of plain ndarrays, stays in ``tensor_scatter`` itself:
-    a Python call more costs ~30 ns, 1% of its 2.6 us.)"""
-    # A decode loop repeats one layout, and a 1-token append is pure call
-    # overhead: everything that depends only on dtypes, shapes and strides is
-    # checked and planned once per layout (``_layouts``), the rest is inlined.
-    # ``out`` is returned as given (a matrix, a torch tensor); the work is done
-    # on plain ndarray views of everything.
+    """``tensor_scatter``'s general path: every input it takes, coerced and
+    checked (``_operands``), its layout checked and planned (``_layouts``:
+    once per layout), its write indices checked (``_checked_starts``), then
+    the kernel or, for object arrays and empty caches, ``scatter_reference``.
+    ``out`` is returned as given (a matrix, a torch tensor); the work is done
+    on plain ndarray views of everything.  (The layout's few lines stay
+    inline: a Python call more cost ~2% of a small call.)"""
+    result, past_cache, update, out, src, in_place, axis, circular = _operands(past_cache, update, axis, mode, out)
+    dtype = past_cache.dtype
+    if update.dtype is not dtype and update.dtype != dtype:
+        _check_layout(past_cache.shape, update.shape, dtype, update.dtype, axis)  # raises
+    # The unsigned unit the kernel moves: the dtype's alignment where numpy's
+    # aligned flags prove it tiles the three arrays, else from their addresses.
+    out_flags, update_flags = out.flags, update.flags
+    unit = ALIGNED_UNITS.get(dtype.type)
+    if not (unit and out_flags.aligned and update_flags.aligned and (in_place or src.flags.aligned)):
+        unit = unit_size((out, update, src))
+    key = (axis, unit, in_place, dtype, past_cache.shape, update.shape, out.strides, update.strides, src.strides)
+    ax, max_seq, seq_len, plan, n_bytes, n_items = _layouts.get(key) or _new_layout(key)
+    starts, values = _checked_starts(write_indices, past_cache.shape[0], seq_len, max_seq, circular)
+    if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
+        positions = _write_positions(values, seq_len, max_seq, circular)
+        scatter_reference(past_cache, update, positions, ax, out, in_place)
+        return result
+    dst = flat_units(out, unit, out_flags)
+    kernels = _kernels or _scatter_kernels()
+    args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
+            plan, starts, circular)
+    # Small copies stay on the calling thread (cheaper than handing out shares).
+    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < _config.PARALLEL_MIN_BYTES,
+             release_gil=n_bytes >= _config.RELEASE_GIL_BYTES)
+    return result
+
+
+def _operands(past_cache, update, axis, mode, out):
+    """The arguments as ndarrays, ``axis`` an int and ``mode`` a flag, and
+    ``out`` made or checked: ``(result, past_cache, update, out, src,
+    in_place, axis, circular)``, where ``result`` is what the call returns
+    (``out`` as given, or a new array) and ``src`` what the kernel reads
+    the rest of the cache from.  An input that shares memory with ``out``
+    (but the cache in place) is copied first, so it is read before it is
+    overwritten."""
     result = out
     # (``out is past_cache`` alone would call ``tensor_scatter(None, u)`` in place.)
     in_place = out is past_cache and out is not None
@@ -264,43 +311,22 @@ def _scatter(past_cache, update, write_indices, axis, mode, out):
     if update is out or (not (update.base is None and out.base is None)
                          and np.may_share_memory(out, update)):
         update = update.copy()
+    return result, past_cache, update, out, src, in_place, axis, circular
 
-    dtype = past_cache.dtype
-    if update.dtype is not dtype and update.dtype != dtype:
-        _check_layout(past_cache.shape, update.shape, dtype, update.dtype, axis)  # raises
-    # The unsigned unit the kernel moves: the dtype's alignment where numpy's
-    # aligned flags prove it tiles the three arrays, else from their addresses.
-    out_flags, update_flags = out.flags, update.flags
-    unit = ALIGNED_UNITS.get(dtype.type)
-    if not (unit and out_flags.aligned and update_flags.aligned and (in_place or src.flags.aligned)):
-        unit = unit_size((out, update, src))
-    key = (axis, unit, in_place, dtype, past_cache.shape, update.shape, out.strides, update.strides, src.strides)
-    ax, max_seq, seq_len, plan, n_bytes, n_items = _layouts.get(key) or _new_layout(key)
 
-    # A private int64 copy (checked here, then read by a kernel that runs
-    # without the GIL): a plain copy for the common case, else a conversion.
+def _checked_starts(write_indices, batch, seq_len, max_seq, circular):
+    """``write_indices`` as a private int64 array (checked here, then read by
+    a kernel that runs without the GIL) and as a list; a linear write outside
+    the cache raises, naming the first bad row."""
     starts = write_indices
-    if type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (past_cache.shape[0],):
-        starts = starts.copy()
+    if type(starts) is np.ndarray and starts.dtype is _INT64 and starts.shape == (batch,):
+        starts = starts.copy()  # the common case: a plain copy, else a conversion
     else:
-        starts = _start_indices(write_indices, past_cache.shape[0])
+        starts = _start_indices(write_indices, batch)
     values = starts.tolist()
     if not circular and values and (min(values) < 0 or max(values) > max_seq - seq_len):
         _write_positions(values, seq_len, max_seq, circular)  # raises, naming the first bad row
-
-    if plan is None or _config.REFERENCE:  # object arrays, empty caches, tests
-        positions = _write_positions(values, seq_len, max_seq, circular)
-        scatter_reference(past_cache, update, positions, ax, out, in_place)
-        return result
-
-    dst = flat_units(out, unit, out_flags)
-    kernels = _kernels or _scatter_kernels()
-    args = (dst, flat_units(update, unit, update_flags), dst if in_place else flat_units(src, unit),
-            plan, starts, circular)
-    # Small copies stay on the calling thread (cheaper than handing out shares).
-    pool.run(kernels.scatter_items, n_items, args, small=n_bytes < PARALLEL_MIN_BYTES,
-             release_gil=n_bytes >= RELEASE_GIL_BYTES)
-    return result
+    return starts, values
 
 
 def _scatter_quantized(past_cache, update, write_indices, axis, mode, out):
@@ -356,9 +382,9 @@ def _new_append(key, out, update):
             # compiled variant (~0.9 s cold); KV caches are 4-D.
             direct = dtype is _FLOAT32 and out.ndim == 4
             # Batch 1: the index of the whole row but the sequence axis.
-            window = (slice(None),) * ax if out.shape[0] == 1 and n_bytes < PARALLEL_MIN_BYTES else None
+            window = (slice(None),) * ax if out.shape[0] == 1 and n_bytes < _config.PARALLEL_MIN_BYTES else None
             # One token into unit-stride rows, small enough for the calling thread.
-            token = seq_len == 1 and plan[5] != 0 and n_bytes < PARALLEL_MIN_BYTES
+            token = seq_len == 1 and plan[5] != 0 and n_bytes < _config.PARALLEL_MIN_BYTES
             entry = ((out.shape[0],), window, plan, n_items, n_bytes, _UNSIGNED[unit], _IS_CIRCULAR[mode],
                      max_seq - seq_len, direct, seq_len, max_seq, token)
     if len(_appends) >= 1024:
@@ -456,7 +482,7 @@ def _make_plan(axis, unit, itemsize, in_place, shape, update_shape, strides):
     contiguous = all(np.array_equal(c, np.arange(n_cols)) for c in cols)
     # Positions per work item: ~64 KiB each, so a long copy spreads over the
     # threads while a 1-token append stays one item per row.
-    chunk = max(1, CHUNK_BYTES // (n_cols * unit))
+    chunk = max(1, _config.CHUNK_BYTES // (n_cols * unit))
     header = [n_rows, n_cols, seq_len, max_seq, int(not in_place), int(contiguous), *seq, chunk]
     batch_of = np.arange(n_rows, dtype=np.int64) // (n_rows // shape[0])
     # (Left writeable: numba types a read-only argument on a slow path, +2 us a call.)

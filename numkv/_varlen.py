@@ -16,7 +16,7 @@ loop (not one launch for the whole batch): its cost is the pairs that
 sequence attends (never the packed total squared), and each call spreads
 over numkv's threads by its own size -- a long prompt's query tiles, a long
 decode's key chunks -- while a one-token decode of a short sequence stays on
-the calling thread (``_attention.SINGLE_THREAD_MACS``).  The price is ~30 us
+the calling thread (``_config.SINGLE_THREAD_MACS``).  The price is ~30 us
 of Python per sequence and layer.
 """
 

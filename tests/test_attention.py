@@ -756,10 +756,10 @@ def test_a_misaligned_call_keeps_no_plan_that_misleads_an_aligned_one(rng):
 
 def test_kept_plans_are_bounded(rng):
     q = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
-    for length in range(1, _attention.PLANS_KEPT + 10):
+    for length in range(1, _config.PLANS_KEPT + 10):
         kv = np.ones((1, 2, length, 4), np.float32)
         numkv.attention(q, kv, kv)
-    assert len(_attention._plans) <= _attention.PLANS_KEPT
+    assert len(_attention._plans) <= _config.PLANS_KEPT
 
 
 @pytest.mark.parametrize("qkv, kwargs, exc, match", [pytest.param(*b[1:], id=b[0]) for b in BAD_QKV])

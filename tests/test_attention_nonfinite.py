@@ -19,7 +19,7 @@ import pytest
 
 import numkv
 import oracle
-from numkv import _attention
+from numkv import _attention, _config
 from numkv._runtime import thread_count
 
 B, HQ, HKV, D = 1, 4, 2, 16
@@ -159,7 +159,7 @@ def test_nan_with_split_keys_on_several_threads(rng, monkeypatch):
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     k[0, 0, 2222, 0] = np.nan
     for threshold in ("SINGLE_THREAD_MACS", "SPLIT_MACS", "THREAD_MACS"):
-        monkeypatch.setattr(_attention, threshold, 0)
+        monkeypatch.setattr(_config, threshold, 0)
     results = []
     for threads in (1, 3):
         monkeypatch.setattr(thread_count, "get_num_threads", lambda n=threads: n)
@@ -264,8 +264,6 @@ def test_a_narrow_cache_read_in_place_keeps_the_rules(rng, kv_dtype, value):
 def test_reference_path_ignores_excluded_non_finite_keys(monkeypatch, rule, value):
     """Issue 27: with NUMKV_REFERENCE=1, a key excluded by nonpad_kv_seqlen
     (or mask / causal / window) holding inf or NaN turned every row NaN."""
-    from numkv import _config
-
     monkeypatch.setattr(_config, "REFERENCE", True)
     rng = np.random.default_rng(3)
     sq = 40 if rule == "causal" else 5
@@ -302,8 +300,6 @@ def test_reference_path_keeps_the_nan_of_attended_keys(monkeypatch, where):
     """...while NaN / inf in what a query does attend still reaches its row,
     as on the kernel's path (an attended key multiplies its V even when its
     weight underflowed to 0: ``0 * inf``)."""
-    from numkv import _config
-
     rng = np.random.default_rng(4)
     q = np.abs(rng.standard_normal((1, 2, 3, 8), np.float32))
     k = rng.standard_normal((1, 1, 12, 8), np.float32)

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import numkv
-from numkv import _attention
+from numkv import _attention, _config
 from numkv._runtime import pool, thread_count
 from numkv._reference import attention_reference
 
@@ -158,8 +158,8 @@ def run_on_threads(call, threads, claim=False, **kwargs):
 
     with pytest.MonkeyPatch.context() as mp:
         for threshold in ("SINGLE_THREAD_MACS", "SPLIT_MACS", "THREAD_MACS"):
-            mp.setattr(_attention, threshold, 0)
-        mp.setattr(_attention, "CLAIM_ITEMS", claim)
+            mp.setattr(_config, threshold, 0)
+        mp.setattr(_config, "CLAIM_ITEMS", claim)
         mp.setattr(thread_count, "get_num_threads", lambda: threads)
         mp.setattr(pool, "run", spy)
         y = _attention.run(call, **kwargs)
@@ -219,7 +219,7 @@ def test_thread_count_does_not_change_y_split_decode():
     k = rng.standard_normal((1, 1, 3000, 16), np.float32)
     v = rng.standard_normal((1, 1, 3000, 16), np.float32)
     call = _attention.prepare(q, k, v, nonpad_kv_seqlen=np.array([2900]), is_causal=True)
-    chunk = _attention._kv_chunk(1, call.total, _attention.LOOP_BLOCK_K, _attention.TARGET_ITEMS)
+    chunk = _attention._kv_chunk(1, call.total, _config.LOOP_BLOCK_K, _config.TARGET_ITEMS)
     assert chunk < call.total  # it splits
     one = assert_same_on_threads(call, (2, 3))
     assert_close_f32(one, _attention.run(call, kv_chunk=call.total), {"K": k, "V": v})
@@ -268,7 +268,7 @@ def test_small_calls_keep_the_key_range_whole(monkeypatch):
     monkeypatch.setattr(pool, "run", spy)
     for threshold, split in ((macs + 1, False), (macs, True)):
         splits.clear()
-        monkeypatch.setattr(_attention, "SPLIT_MACS", threshold)
+        monkeypatch.setattr(_config, "SPLIT_MACS", threshold)
         y = _attention.run(call)
         assert splits == [split]
         assert_close_f32(y, _attention.run(call, kv_chunk=512), {"K": k, "V": v})

@@ -10,7 +10,9 @@ wrappers (``_reference``, ``_scatter``,
 ``onnx``, ``transformers``); the package ``__init__``; the command line
 (``_cli``, ``__main__``).  A module imports only its own layer or those
 below, never in a cycle; only the kernels, the pool's protocol and the jit
-factory import numba or llvmlite.
+factory import numba or llvmlite.  The wrappers' tuning constants live in
+``_config``'s Tunables and are read there at call time; the K/V formats in
+one registry.
 """
 
 import ast
@@ -229,3 +231,116 @@ def test_the_format_list_check_can_fail():
                    'ok = fmt in ["q8_0"]\n', 'BYTES = {"q4_0": 18}\n'):
         assert hard_coded_formats(PACKAGE / "cache.py", source), source
     assert not hard_coded_formats(PACKAGE / "cache.py", '"""a q8_0 cache"""\nx = f"{fmt} like q8_0"\n')
+
+
+# -- the tunables: one home (numkv._config), read at call time ----------------------------
+
+# Module-level numbers outside ``_config`` that define something rather than
+# tune it (a test of the tunables' rule would otherwise take them for policy).
+DEFINITIONS = {
+    ("numkv._attention", "SOFTMAX_PRECISIONS"): "ONNX TensorProto codes",
+    ("numkv._attention", "QUERY_BLOCK"): "qk_precision='int8''s block: what Y is",
+    ("numkv._attention", "_NO_MASK_ROW"): "the kernel's desc row of an absent mask",
+    ("numkv._quantize", "BLOCK"): "the block formats' block",
+    ("numkv._quantize", "_FLOAT16_LIMIT"): "float16's largest finite value, rounded up",
+    ("numkv._scatter", "_C_CONTIGUOUS"): "NumPy's flag bits",
+    ("numkv._scatter", "_ALIGNED"): "NumPy's flag bits",
+    ("numkv._scatter", "_WRITEABLE"): "NumPy's flag bits",
+    ("numkv._formats", "FIRST_CODE"): "the kernels' format codes",
+}
+# Where a module-level number is not the wrappers' policy: the jit factory's
+# home; compile-time constants baked into machine code (the kernels, the
+# pool's compiled protocol and its control block's layout); the command
+# line's bench shapes and timing.
+NOT_WRAPPERS = ("numkv._config", "numkv._kernels", "numkv._runtime.control", "numkv._runtime.protocol",
+                "numkv._cli")
+
+
+def config_tunables():
+    """The names ``_config`` binds below its ``# Tunables`` heading."""
+    source = (PACKAGE / "_config.py").read_text()
+    heading = source.splitlines().index("# Tunables") + 1
+    return {name for node in ast.parse(source).body if isinstance(node, ast.Assign) and node.lineno > heading
+            for name in _bound_names(node)}
+
+
+def _bound_names(node):
+    names = []
+    for target in getattr(node, "targets", None) or [node.target]:
+        names += [t.id for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(t, ast.Name)]
+    return names
+
+
+def _is_number(node):
+    """A literal number, bool, or an expression / tuple of them (``1 << 18``)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float))
+    if isinstance(node, ast.UnaryOp):
+        return _is_number(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _is_number(node.left) and _is_number(node.right)
+    return isinstance(node, ast.Tuple) and all(map(_is_number, node.elts))
+
+
+def tunable_breaches(path, source=None, tunables=None):
+    """``(line, what)`` where a module keeps a tunable of its own: binds one of
+    ``_config``'s tunables at module level (a copy ``_config``'s never
+    reaches), imports one by name (``from ._config import THREAD_MACS``:
+    frozen at import, so a test's ``monkeypatch.setattr(_config, ...)``
+    misses it), binds a new constant to a number (a wrapper's policy belongs
+    in ``_config``'s Tunables; a definition goes in ``DEFINITIONS``), or --
+    in compiled code (``_kernels``) -- reads one (numba freezes it)."""
+    name = module_name(path)
+    tunables = config_tunables() if tunables is None else tunables
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    found, config_lines = [], {line for module, line in imports(path, source) if module == "numkv._config"}
+    if not name.startswith(NOT_WRAPPERS):
+        for node in tree.body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
+                continue
+            for bound in _bound_names(node):
+                if bound in tunables:
+                    found.append((node.lineno, f"binds {bound}, a _config tunable: read _config.{bound}"))
+                elif bound.lstrip("_").isupper() and _is_number(node.value) and (name, bound) not in DEFINITIONS:
+                    found.append((node.lineno, f"binds {bound} to a number: a tunable goes in _config's Tunables"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.lineno in config_lines:
+            found += [(node.lineno, f"imports {alias.name} by name: read _config.{alias.name} at call time")
+                      for alias in node.names if alias.name in tunables]
+        elif (name.startswith("numkv._kernels") and isinstance(node, ast.Attribute) and node.attr in tunables
+              and isinstance(node.value, ast.Name) and node.value.id == "_config"):
+            found.append((node.lineno, f"reads _config.{node.attr} in compiled code (numba freezes it)"))
+    return found
+
+
+def _config_reads(path):
+    """The names a module reads as ``_config.NAME``."""
+    return {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "_config"}
+
+
+def test_the_tunables_live_in_config_and_are_read_through_it():
+    """The wrappers' tile, thread and copy policy is ``_config``'s Tunables,
+    and each is read (as ``_config.NAME``) by some module outside the kernels."""
+    tunables = config_tunables()
+    assert {"THREAD_MACS", "GEMM_MIN_ROWS", "PARALLEL_MIN_BYTES", "SPIN_US"} <= tunables  # (the heading parsed)
+    bad = [f"{name}:{line}: {what}" for name, path in MODULES.items() for line, what in tunable_breaches(path)]
+    read = set().union(*(_config_reads(path) for name, path in MODULES.items()
+                         if not name.startswith("numkv._kernels")))
+    bad += [f"numkv._config: {name} is read by no module" for name in sorted(tunables - read)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_tunable_check_can_fail():
+    tunables = {"THREAD_MACS", "PARALLEL_MIN_BYTES"}
+    wrapper, kernel = PACKAGE / "_attention.py", PACKAGE / "_kernels" / "scatter.py"
+    for source in ("THREAD_MACS = 1 << 22\n", "NEW_MIN_BYTES = 1 << 20\n", "BIG, SMALL = 2.5, -1\n",
+                   "from ._config import PARALLEL_MIN_BYTES\n", "from numkv._config import THREAD_MACS\n",
+                   "from . import _config\nTHREAD_MACS = _config.THREAD_MACS\n",
+                   "from ._runtime import pool\nfrom ._config import jit, THREAD_MACS\n"):
+        assert tunable_breaches(wrapper, source, tunables), source
+    assert tunable_breaches(kernel, "from .. import _config\n\ndef k():\n    return _config.THREAD_MACS\n", tunables)
+    for source in ("from . import _config\n\ndef f(n):\n    return n < _config.PARALLEL_MIN_BYTES\n",
+                   "QUERY_BLOCK = 32\n", "MODES = ('linear', 'circular')\n", "_kernels = None\n"):
+        assert not tunable_breaches(wrapper, source, tunables), source
+    assert not tunable_breaches(kernel, "AXPY_KEYS = 16\n", tunables)  # (compile-time: stays in the kernel)

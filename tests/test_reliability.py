@@ -185,7 +185,7 @@ def calls(seed, n):
     several threads, a cache append; returns a digest of every result.\"\"\"
     q, k, v = inputs(seed)
     cache = np.zeros((2, 4, 4096, 64), np.float32)
-    update = np.resize(k, (2, 4, 2048, 64))  # 4 MiB: at PARALLEL_MIN_BYTES
+    update = np.resize(k, (2, 4, 2048, 64))  # 4 MiB: above _config.PARALLEL_MIN_BYTES (parallel)
     kv = numkv.StaticKVCache(1, 4, n + 1, 64)
     out = []
     for i in range(n):
@@ -357,6 +357,20 @@ def test_spinning_off_and_on_give_the_same_results(default_threads):
     """
     off, on = run_script(script, NUMKV_SPIN_US="0"), run_script(script)
     assert off == on and off.split()[0] == "True"
+
+
+def test_the_spin_comes_from_config_unless_the_environment_sets_it(monkeypatch):
+    """``_config.SPIN_US`` / ``CLOSE_US`` reach a control block made after
+    they change; ``NUMKV_SPIN_US`` overrides the spin."""
+    from numkv import _config
+
+    monkeypatch.delenv("NUMKV_SPIN_US", raising=False)
+    monkeypatch.setattr(_config, "SPIN_US", 7)
+    monkeypatch.setattr(_config, "CLOSE_US", 30)
+    ctrl = pool._new_ctrl()
+    assert (ctrl[control.SPIN_NS], ctrl[control.CLOSE_NS]) == (7000, 30000)
+    monkeypatch.setenv("NUMKV_SPIN_US", "0")
+    assert pool._new_ctrl()[control.SPIN_NS] == 0
 
 
 def test_a_small_call_keeps_the_gil_and_a_long_one_lets_go(default_threads):

@@ -212,7 +212,7 @@ def make_update(rng, shape, axis, dtype, name):
     if not (p.id == "object" and layout == "unaligned")  # object arrays have no byte-buffer view
 ])
 def test_strided_layouts(dtype, cache_layout, path, rng, monkeypatch):
-    monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", 0 if path == "parallel" else HUGE)
+    monkeypatch.setattr(_config, "PARALLEL_MIN_BYTES", 0 if path == "parallel" else HUGE)
     calls = spy_kernels(monkeypatch)
     shape = (2, 5, 6, 7)  # every non-batch dim can be the sequence axis; all sizes differ
     for axis in (2, -1, 1):
@@ -265,7 +265,7 @@ def test_sliced_cache_wraps_at_its_own_length():
 def test_update_aliasing_the_cache(rng, monkeypatch):
     """An update that is a view of the cache (or of out) is read before it is overwritten."""
     for path in (0, HUGE):
-        monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", path)
+        monkeypatch.setattr(_config, "PARALLEL_MIN_BYTES", path)
         past = random_values(rng, (2, 3, 8, 4), np.float32)
         update = past[:, :, 2:6]
         expected = oracle.tensor_scatter(past.copy(), update.copy(), [3, 1])
@@ -327,7 +327,7 @@ def spy_kernels(monkeypatch):
 
 def test_default_threshold_picks_the_kernel(rng, monkeypatch):
     """More than PARALLEL_MIN_BYTES moved: parallel kernel; less: serial."""
-    assert _scatter.PARALLEL_MIN_BYTES == 256 * 1024
+    assert _config.PARALLEL_MIN_BYTES == 256 * 1024
     calls = spy_kernels(monkeypatch)
     past = random_values(rng, (2, 4, 1024, 32), np.float32)  # 1 MiB
     small = random_values(rng, (2, 4, 64, 32), np.float32)  # 64 KiB
@@ -355,7 +355,7 @@ def test_parallel_equals_serial_any_thread_count(dtype, rng, monkeypatch):
     calls = spy_kernels(monkeypatch)
     results = []
     for threshold in (0, HUGE):
-        monkeypatch.setattr(_scatter, "PARALLEL_MIN_BYTES", threshold)
+        monkeypatch.setattr(_config, "PARALLEL_MIN_BYTES", threshold)
         for threads in (1, 2, 3, 7):
             monkeypatch.setattr(thread_count, "get_num_threads", lambda n=threads: n)
             results.append(numkv.tensor_scatter(past, update, w, mode="circular"))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import numkv
-from numkv import _attention
+from numkv import _attention, _config
 from numkv._dtypes import decode_table, e8m0_table, kernel_dtype_codes
 from numkv._kernels import attention as kernels
 from numkv._kernels import cpu, decode_loops, widen
@@ -282,12 +282,12 @@ def test_float16_prefill_takes_the_narrowing_kernel(monkeypatch):
     q = rng.standard_normal((1, 4, 160, 128)).astype(np.float16)
     k = rng.standard_normal((1, 2, 160, 128)).astype(np.float16)
     v = rng.standard_normal((1, 2, 160, 128)).astype(np.float16)
-    assert q.size >= _attention.NARROW_MIN
+    assert q.size >= _config.NARROW_MIN
     ran = spy_on_kernels(monkeypatch)
     narrowed = numkv.attention(q, k, v, is_causal=True)
     assert ran.count("to_float16") == (1 if cpu.has_f16c() else 0), ran
     ran.clear()
-    monkeypatch.setattr(_attention, "NARROW_MIN", q.size + 1)
+    monkeypatch.setattr(_config, "NARROW_MIN", q.size + 1)
     assert np.array_equal(numkv.attention(q, k, v, is_causal=True).view(np.uint16), narrowed.view(np.uint16))
     assert "to_float16" not in ran, ran
 

@@ -134,7 +134,7 @@ PAGES = PAGE_SIZE + 1
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "8245d751eca030dcea8f524655e4b25e9138a9705d151214dee47216cb9de04c"
+HELPERS_SHA256 = "4aa9b0435b5bbc5ec474b632537b60c494b62196fb9435e11083601f2c97ba4b"
 
 
 # -- work items --------------------------------------------------------------------------

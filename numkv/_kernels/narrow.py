@@ -16,7 +16,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "d97d23706e99138b3159f943b224bcf5efd7d9a87c8d8ff72c8f332178eac318"
+HELPERS_SHA256 = "bd9eca408bc138090fa0fdc6a5b1e8c37109719ccbd28591426fe4d393b105c3"
 
 CHUNK = 1 << 16  # elements a work item
 

@@ -45,7 +45,7 @@ from .._runtime.protocol import pool_enter, pool_exit
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "1420dbc31fd2fd32b31269c8abbc58fb6fbbbd660175d7f2361167410e26a4b8"
+HELPERS_SHA256 = "933b70d1c79d8004f7c1b1f0e588ae48a4d6f45fcc90605e0cc94b7e9691ae61"
 
 HEADER = 10
 

@@ -23,10 +23,12 @@ its own pool:
   allocator) then calls tracemalloc's hook, which takes the GIL -- held by
   the caller, which waits for the worker: a deadlock;
 * idle workers sleep on a futex; a worker whose jobs come close together
-  (the gap before its last job shorter than ``CLOSE_US``) first spins
-  ``SPIN_US`` for the next: waking a sleeping thread costs tens of
-  microseconds on a VM, a good part of a small call, while a worker called
-  now and then spins not at all.  ``NUMKV_SPIN_US=0`` turns spinning off.
+  (the gap before its last job shorter than ``_config.CLOSE_US``) first
+  spins ``_config.SPIN_US`` for the next: waking a sleeping thread costs
+  tens of microseconds on a VM, a good part of a small call, while a worker
+  called now and then spins not at all.  ``NUMKV_SPIN_US=0`` turns spinning
+  off.  (Read as the pool is made, at import and in a fork's child, and as
+  it makes its control block, on the first call that needs the workers.)
 
 Work items are independent and each is computed the same way whichever thread
 runs it, so results never depend on the thread count.
@@ -38,18 +40,18 @@ import threading
 import time
 from _tracemalloc import is_tracing as _tracing
 
+from .. import _config
 from . import thread_count
 from .control import (CALLER, CLAIMED, FAIL_INFO, FAIL_STATUS, MAX_THREADS, N_ITEMS, RELEASE, SEQ, THREADS,
                       new_ctrl)
 
 MAX_WORKERS = MAX_THREADS - 1
-SPIN_US = 100  # how long a worker whose jobs come close together spins for the next
-CLOSE_US = 2000  # jobs this close together are "close"
 
 
 def _spin_us():
+    """The workers' spin: ``NUMKV_SPIN_US`` where set, else ``_config.SPIN_US``."""
     value = os.environ.get("NUMKV_SPIN_US", "").strip()
-    return int(value) if value.isdigit() else SPIN_US
+    return int(value) if value.isdigit() else _config.SPIN_US
 
 
 class _Pool:
@@ -83,7 +85,7 @@ class _Pool:
 
 
 def _new_ctrl():
-    return new_ctrl(_spin_us() * 1000, CLOSE_US * 1000)
+    return new_ctrl(_spin_us() * 1000, _config.CLOSE_US * 1000)
 
 
 _pool = _Pool()
@@ -96,7 +98,7 @@ os.register_at_fork(after_in_child=_pool.forget)
 
 def hot():
     """Whether calls come back to back: the last one ended within the
-    workers' spin (``SPIN_US``), so that a share handed out now finds its
+    workers' spin (``_config.SPIN_US``), so that a share handed out now finds its
     worker awake (or woken once for a run of such calls), where after a
     longer gap it waits tens of microseconds for the worker to wake."""
     return time.perf_counter() - _pool.last_end < _pool.spin_s
