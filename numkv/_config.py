@@ -214,7 +214,10 @@ ROWS_PER_TILE, MIN_ROWS_PER_TILE, GEMM_BLOCK_K = 256, 128, 512
 LOOP_BLOCK_K = 256
 TARGET_ITEMS, TARGET_GEMM_ITEMS = 256, 64
 MIN_CHUNK = 512
-SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 21, 1 << 23, 1 << 22  # THREAD_MACS 0: no limit (tests)
+# (SINGLE_THREAD_MACS 2**21 until AVX2's decode took 0.6-0.75x its time: then
+# the decodes of 2**21 multiply-adds after a 1 ms gap took 0.81-0.90x as long
+# on 1 thread as on 2, a 2-vCPU Zen 3; 2**22 keeps them on the caller then.)
+SINGLE_THREAD_MACS, SPLIT_MACS, THREAD_MACS = 1 << 22, 1 << 23, 1 << 22  # THREAD_MACS 0: no limit (tests)
 HOT_THREAD_MACS = 1 << 19  # from here to SINGLE_THREAD_MACS, two threads where the workers are awake
 GIL_MACS = 1 << 26  # multiply-adds a thread, above which a call lets go of the GIL (``_attention._releases_gil``)
 # Threads claim work items one at a time rather than take equal shares: a
