@@ -134,7 +134,7 @@ PAGES = PAGE_SIZE + 1
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "4aa9b0435b5bbc5ec474b632537b60c494b62196fb9435e11083601f2c97ba4b"
+HELPERS_SHA256 = "7b7f8c9f830230f00a94620de6d671e32ff4cbf2cc977911862e1b02d841f255"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -170,12 +170,16 @@ def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
         fmt = FORMATS[narrow]
         blocks = builder.and_(length, ir.Constant(i64, -fmt.block))
         start, vectors = blocks, _emit_loop(builder, start, blocks, fmt.block, vectors, block)
-    elif narrow in _formats.FORMATS and _formats.FORMATS[narrow].derived and QUANT_BLOCK % lanes == 0:
+    by_blocks = narrow in _formats.FORMATS and _formats.FORMATS[narrow].derived and QUANT_BLOCK % lanes == 0
+    if by_blocks:
         # (each key's block scale once a block, not once a vector: MHA's q8_0
-        # scores on AVX2, 8 lanes, took ~1.16x their time with one a vector)
-        blocks = builder.and_(length, ir.Constant(i64, -QUANT_BLOCK))
-        start, vectors = blocks, _emit_loop(builder, start, blocks, QUANT_BLOCK, vectors, quant_block)
-    vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
+        # scores on AVX2, 8 lanes, took ~1.16x their time with one a vector;
+        # no vector loop after it: such rows are whole blocks, and the
+        # element loop would take any rest)
+        whole = builder.and_(length, ir.Constant(i64, -QUANT_BLOCK))
+        vectors = _emit_loop(builder, start, whole, QUANT_BLOCK, vectors, quant_block)
+    else:
+        vectors = _emit_loop(builder, start, whole, lanes, vectors, step(lanes, vec))
     reduced = [_reduce_lanes(builder, vectors[first:first + 8]) for first in range(0, n_sums, 8)]
     # The rows straight from the reduced lanes (eight sums a vector: two or
     # four rows; lanes past a row's keys repeat its last, never stored);
@@ -344,33 +348,73 @@ def _blocks(narrow, real, rows):
 
 
 @jit(inline=True)
-def _score_keys(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
+def _score_keys_wide(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
     """``s[r * n + j] = q_r . k_j`` for the ``rows`` query rows of ``qf``
     (``d_k`` apart) and the ``n`` key rows at elements ``ko + j * kld`` of
-    the raw bytes ``kb``, of format ``code``: ``DOT_KEYS`` keys a pass
-    scored against four query rows (then two, then one; ``_dots``), or, for
-    fewer than four rows, four keys a pass;
-    ``prefetch``: the keys ahead, where ``kb`` is the cache itself.  A pass
-    past the last key repeats it (and stores only the tile's scores): every
-    score comes from the same sum, so its bits depend neither on the number
-    of rows (GQA equals MHA with K/V repeated) nor on the tile's length (a
-    masked key at its end changes nothing)."""
-    at, ld = np.uint64(ko), np.uint64(kld)
+    the raw bytes ``kb``, of format ``code``: four keys a pass, scored
+    against four query rows (then two, then one; ``_dots``); ``prefetch``:
+    the keys ahead, where ``kb`` is the cache itself.  A pass past the last
+    key repeats it (and stores only the tile's scores): every score comes
+    from the same sum, so its bits depend neither on the number of rows
+    (GQA equals MHA with K/V repeated) nor on the tile's length (a masked
+    key at its end changes nothing).  ``_score_keys`` where the CPU has
+    AVX-512's 32 registers."""
+    at, ld, width, stride = np.uint64(ko), np.uint64(kld), np.uint64(d_k), np.uint64(n)
     ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
-    last_key = n - 1
-    if rows == 1 and DOT_KEYS == 2:  # (one row on AVX2: eight keys a pass keep eight sums under way; with
-        # four, MHA's q8_0 scores took 1.16x the time they took in 16 lanes)
-        for j in range(0, n, 8):
-            _dots(sf, (np.uint64(j),), _min(8, n - j), qf, (np.uint64(0),), kb, _key_offsets(at, ld, j, last_key, 8),
+    for j in range(0, n, 4):
+        k_at, count, s0 = _key_offsets(at, ld, j, n - 1, 4), _min(4, n - j), np.uint64(j)
+        r = 0
+        while r + 4 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                    np.uint64(r + 3) * width)
+            s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                    s0 + np.uint64(r + 3) * stride)
+            _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
+            r += 4
+        if r + 2 <= rows:
+            q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+            _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
                   d_k, code, ahead)
-    elif rows >= 4:
-        for j in range(0, n, DOT_KEYS):
-            _score_rows(qf, sf, kb, _key_offsets(at, ld, j, last_key, DOT_KEYS), _min(DOT_KEYS, n - j), j, n, rows,
-                        d_k, code, ahead)
-    else:  # (fewer rows, four keys a pass: on AVX2 a row's two keys' sums left the FMAs waiting, 1.26x the time)
+            r += 2
+        if r < rows:
+            _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code, ahead)
+
+
+@jit(inline=True)
+def _score_keys_avx2(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
+    """``_score_keys_wide``'s scores where the CPU has AVX2's 16 registers:
+    eight sums under way a pass, so the rows in fours meet two keys a pass,
+    a pair of rows left four keys, a last row eight (MHA's: with four, its
+    q8_0 scores took 1.16x the time).  Three kinds of pass, as there: each
+    more is more to compile on a cold call."""
+    at, ld, width, stride = np.uint64(ko), np.uint64(kld), np.uint64(d_k), np.uint64(n)
+    ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
+    fours = rows - rows % 4
+    if fours:
+        for j in range(0, n, 2):
+            k_at, count, s0 = _key_offsets(at, ld, j, n - 1, 2), _min(2, n - j), np.uint64(j)
+            for r in range(0, fours, 4):
+                q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                        np.uint64(r + 3) * width)
+                s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride,
+                        s0 + np.uint64(r + 2) * stride, s0 + np.uint64(r + 3) * stride)
+                _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
+    if rows % 4 >= 2:
+        r = np.uint64(fours)
         for j in range(0, n, 4):
-            _score_rows(qf, sf, kb, _key_offsets(at, ld, j, last_key, 4), _min(4, n - j), j, n, rows, d_k, code,
-                        ahead)
+            s0 = np.uint64(j)
+            _dots(sf, (s0 + r * stride, s0 + (r + np.uint64(1)) * stride), _min(4, n - j), qf,
+                  (r * width, (r + np.uint64(1)) * width), kb, _key_offsets(at, ld, j, n - 1, 4), d_k, code, ahead)
+    if rows % 2:
+        r = np.uint64(rows - 1)
+        for j in range(0, n, 8):
+            _dots(sf, (np.uint64(j) + r * stride,), _min(8, n - j), qf, (r * width,), kb,
+                  _key_offsets(at, ld, j, n - 1, 8), d_k, code, ahead)
+
+
+# The scores of a tile (``_score_keys_wide``'s docstring), in the passes that
+# fit the CPU's registers.
+_score_keys = _score_keys_wide if DOT_KEYS == 4 else _score_keys_avx2
 
 
 def _key_offsets(at, ld, j, last_key, keys):
@@ -394,28 +438,6 @@ def _key_offsets_of(at, ld, j, last_key, keys):  # (the tuple's length is chosen
                 at + np.uint64(_min(j + 4, last_key)) * ld, at + np.uint64(_min(j + 5, last_key)) * ld,
                 at + np.uint64(_min(j + 6, last_key)) * ld, at + np.uint64(_min(j + 7, last_key)) * ld)
     return {2: two, 4: four, 8: eight}[keys.literal_value]
-
-
-@jit(inline=True)
-def _score_rows(qf, sf, kb, k_at, count, j, n, rows, d_k, code, ahead):
-    """The passes of ``_score_keys`` over one group of keys (``k_at``, the
-    first ``count`` of them the tile's): four query rows a pass (where the
-    group is of ``DOT_KEYS``), then two, then one."""
-    width, s0, stride = np.uint64(d_k), np.uint64(j), np.uint64(n)  # row r's scores from sf[r * n + j]
-    r = 0
-    while r + 4 <= rows and len(k_at) == DOT_KEYS:
-        q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width, np.uint64(r + 3) * width)
-        s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
-                s0 + np.uint64(r + 3) * stride)
-        _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
-        r += 4
-    if r + 2 <= rows:
-        q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
-        _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
-              d_k, code, ahead)
-        r += 2
-    if r < rows:
-        _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code, ahead)
 
 
 # -- values: acc += p V --------------------------------------------------------------------

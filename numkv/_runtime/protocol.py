@@ -51,7 +51,7 @@ from .control import (CALLED_OFF, CALLER, CLAIMED, CLOSE_NS, DONE, ENTRY, FAIL_I
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "fed754479d1df14282a8c1934f540cb5946613ad118265b9df6af2322c9ef6ed"
+HELPERS_SHA256 = "2935c43a9ef71cde647eb7af041a698162d3d50baeb3d36993eb817896c0a979"
 
 _I64, _I32, _I8P = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
 _LINUX = sys.platform.startswith("linux")
