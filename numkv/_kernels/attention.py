@@ -56,7 +56,8 @@ against a tile of ``n`` keys with one matrix product ``S = Q K^T`` and update
 their accumulators with another, ``acc = alpha * acc + P V``.  Many rows
 (prefill) take register-blocked matrix products (``gemm``), which skip the
 blocks past every key their rows attend; few rows (decode) take loops that
-score four rows against four keys per pass (``decode_loops._score_keys``)
+score four rows against four keys per pass (two keys on AVX2;
+``decode_loops._score_keys``)
 and add a run of keys' values to four rows at a time, their accumulators
 held in registers over the run (``decode_loops._add_values``).
 
