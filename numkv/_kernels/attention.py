@@ -16,7 +16,7 @@ The modules beside this one, each imported only by those above it::
     gemm          prefill's matrix products: register blocks in LLVM IR
     widen         bits -> float per K/V format; tiles; the formats read in place
     softmax       the online softmax of a tile of scores, and its float32 exp
-    decode_loops  decode's fused loops: four keys' dot products, value runs
+    decode_loops  decode's fused loops: a few keys' dot products, value runs
     loop_functions  the C functions this kernel calls by address, compiled on
                   demand: each format's loops and widening, the products,
                   the softmax, the merge and output rows
@@ -135,7 +135,7 @@ PAGES = PAGE_SIZE + 1
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "7b7f8c9f830230f00a94620de6d671e32ff4cbf2cc977911862e1b02d841f255"
+HELPERS_SHA256 = "ab42d82f81c66ea9c1fb3ad9967d1b9d5fdd7e7d3238b4749cbe418faa7ddf3f"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Decode's loops: a tile's query rows scored against its keys
-(``_score_keys``: four keys a pass, four rows then two then one, each pass
-one ``_dots``) and its keys' values added to the rows' accumulators
-(``_add_values``: runs of keys, each one ``_axpy``).  ``_dots`` and
-``_axpy`` are LLVM IR: few query rows (``R`` = 1, 2 or 4) against two or four keys,
-and a run of keys' values added to one or four rows' accumulators held in
-registers.
+(``_score_keys``: passes of a few rows against a few keys, sized from the
+CPU's registers, each pass one ``_dots``) and its keys' values added to the
+rows' accumulators (``_add_values``: runs of keys, each one ``_axpy``).
+``_dots`` and ``_axpy`` are LLVM IR: few query rows (``R`` = 1, 2 or 4)
+against two, four or eight keys, and a run of keys' values added to one or
+four rows' accumulators held in registers.
 
 Both read K/V rows as they lie in the cache -- float32, or a narrow format of
 ``widen.FORMATS`` widened vector by vector as it is loaded -- for one format,
@@ -56,7 +56,7 @@ AXPY_RUN_VECTORS_ONE_ROW = 4 if VECTOR_BYTES == 64 else 8
 def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     """The ``K * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
     ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, ``K`` =
-    two or four in ``k_at``), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
+    two or four in ``k_at``, or eight for one row), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
     (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
     last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
     raw bytes holding elements of dtype ``code`` (a constant:
@@ -114,8 +114,8 @@ def _emit_dots(context, builder, sig, args):
 
 
 def _dot_sums(builder, q_rows, k_rows, length, real, narrow, ahead):
-    """IR: the sums of ``_dots`` as one ``<4 x real>`` a query row, its two
-    or four keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``);
+    """IR: the sums of ``_dots`` as one ``<max(4, K) x real>`` a query row,
+    its ``K`` keys' (``narrow``: the keys' format, ``_widen_ir``; None: ``real``);
     each vector of a key row loaded asks for the one ``ahead`` elements on
     (``_axpy``'s ``ahead``)."""
     i64 = ir.IntType(64)
