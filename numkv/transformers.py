@@ -42,6 +42,7 @@ and sdpa attention, as a DynamicCache would.
 from __future__ import annotations
 
 import numbers
+import os
 
 import ml_dtypes
 import numpy as np
@@ -442,21 +443,79 @@ def register(name: str = "numkv") -> str:
 CONTINUOUS_BATCHING_SUFFIX = "_flash"
 
 
-def continuous_batching(model) -> str:
+# transformers sizes its paged cache, when a generate_batch gets no
+# ContinuousBatchingConfig, at 90% of the free memory -- on a CPU, the machine's
+# RAM -- and zeroes all of it each time: 8.0 s of a 38.8 s generate_batch on this
+# 23 GiB VM (issue 42's workload, docs/transformers.md), for 1% of it used.  65,536
+# tokens is ~1 GiB for that model, ~4 GiB (vLLM's CPU default) for Llama-3.2-1B.
+CACHE_TOKENS = 65536
+
+
+def continuous_batching(model, *, cache_tokens: int | None = CACHE_TOKENS) -> str:
     """Let ``model`` (loaded with numkv's implementation, ``register()``'s
     name) run transformers' continuous batching (``model.generate_batch``)
     on numkv: its config's attention implementation becomes the name
     ``register()`` gave with ``"_flash"`` appended, which transformers
     accepts for continuous batching (see ``register``); returns that name.
     Plain ``generate`` and forward calls keep working under it (the same
-    functions are registered)."""
+    functions are registered).
+
+    ``cache_tokens``: the paged cache's capacity, in tokens of every layer,
+    when ``generate_batch`` / ``init_continuous_batching`` are given no
+    ``ContinuousBatchingConfig`` (at most half the memory available now).
+    transformers itself would take 90% of the free memory -- on a CPU, the
+    machine's RAM -- and zero it on every ``generate_batch`` (8 s of a 39 s
+    batch in docs/transformers.md).  Requests beyond the capacity wait their
+    turn.  ``None`` keeps transformers' sizing; a config passed explicitly
+    always wins.
+    """
     current = model.config._attn_implementation
     if current not in _REGISTERED:
         raise ValueError(f"the model's attention implementation is {current!r}, not one numkv registered "
                          f"({sorted(_REGISTERED)}): load it with attn_implementation=numkv.transformers.register()")
+    if cache_tokens is not None:
+        if not isinstance(cache_tokens, numbers.Integral) or isinstance(cache_tokens, bool) or cache_tokens < 1:
+            raise ValueError(f"cache_tokens must be a positive int or None, got {cache_tokens!r}")
+        cache_tokens = min(int(cache_tokens), _tokens_in_half_the_free_memory(model))
+    _size_paged_cache(model, cache_tokens)
     name = current if current.endswith(CONTINUOUS_BATCHING_SUFFIX) else current + CONTINUOUS_BATCHING_SUFFIX
     model.config._attn_implementation = name  # (the config's setter: no flash package is looked for)
     return name
+
+
+def _size_paged_cache(model, cache_tokens):
+    """Give ``model.init_continuous_batching`` (which ``generate_batch`` calls)
+    a ``ContinuousBatchingConfig`` of ``cache_tokens`` when it gets none."""
+    model.__dict__.pop("init_continuous_batching", None)  # (a second call replaces the first)
+    if cache_tokens is None:
+        return
+    from transformers import ContinuousBatchingConfig
+
+    init = model.init_continuous_batching
+
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, **kwargs):
+        configured = getattr(generation_config or model.generation_config, "continuous_batching_config", None)
+        if continuous_batching_config is None and configured is None:
+            page = ContinuousBatchingConfig().page_size
+            continuous_batching_config = ContinuousBatchingConfig(num_blocks=max(1, -(-cache_tokens // page)))
+        return init(generation_config, continuous_batching_config, **kwargs)
+
+    model.init_continuous_batching = init_continuous_batching
+
+
+def _tokens_in_half_the_free_memory(model):
+    text = model.config.get_text_config(decoder=True)
+    q_heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // q_heads
+    per_token = text.num_hidden_layers * 2 * kv_heads * head_dim * model.dtype.itemsize
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not Linux: psutil, which transformers needs on a CPU
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return max(1, free // 2 // per_token)
 
 
 # The names register() gave numkv's attention (a quantised KVCache needs one).

@@ -704,6 +704,33 @@ def test_continuous_batching_refuses_a_model_not_on_numkv():
         nt.continuous_batching(_cb_model("llama-gqa", "sdpa"))
 
 
+def test_continuous_batching_sizes_the_paged_cache_unless_told(monkeypatch):
+    """With no ContinuousBatchingConfig, generate_batch's manager gets numkv's
+    capacity (transformers' own would zero 90% of the RAM); an explicit config
+    wins, ``cache_tokens=None`` gives transformers' sizing back, and the
+    capacity never exceeds half the free memory."""
+    from transformers import ContinuousBatchingConfig
+
+    m = _cb_model("llama-gqa", NAME)
+
+    def blocks(**kwargs):
+        return m.init_continuous_batching(**kwargs).continuous_batching_config.num_blocks
+
+    nt.continuous_batching(m)
+    assert blocks() == nt.CACHE_TOKENS // 256
+    assert blocks(continuous_batching_config=ContinuousBatchingConfig(num_blocks=3)) == 3
+    nt.continuous_batching(m, cache_tokens=1000)
+    assert blocks() == 4  # pages of 256 tokens
+    monkeypatch.setattr(nt, "_tokens_in_half_the_free_memory", lambda model: 300)
+    nt.continuous_batching(m)
+    assert blocks() == 2
+    nt.continuous_batching(m, cache_tokens=None)
+    assert blocks() is None
+    for bad in (0, -5, 2.5, True, "many"):
+        with pytest.raises(ValueError, match="cache_tokens"):
+            nt.continuous_batching(m, cache_tokens=bad)
+
+
 def test_kvcache_qk_precision_reaches_numkvs_attention(monkeypatch):
     """``KVCache(..., qk_precision="int8")`` makes numkv's attention over the
     cache quantise the query (API.md): every call over its layers passes it,

@@ -14,6 +14,9 @@ that every mode generates the same tokens as sdpa's ``generate_batch``.
 
 ``--concurrency N`` caps the requests a continuous batch holds at once
 (``ContinuousBatchingConfig.max_requests_per_batch``); one-by-one modes ignore it.
+``--cache-tokens N`` gives every ``generate_batch`` (sdpa's too) a paged cache of
+N tokens; without it numkv's gets ``numkv.transformers.continuous_batching``'s
+default and sdpa's transformers' own (90% of the free memory, zeroed per call).
 """
 
 import argparse
@@ -36,12 +39,17 @@ def build(impl, layers, vocab):
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
 
 
-def run_batch(model, prompts, new, concurrency):
+def run_batch(model, prompts, new, concurrency, cache_tokens=None):
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency) if concurrency else None
+    settings = {}
+    if concurrency:
+        settings["max_requests_per_batch"] = concurrency
+    if cache_tokens:
+        settings["num_blocks"] = -(-cache_tokens // ContinuousBatchingConfig().page_size)
+    cb = ContinuousBatchingConfig(**settings) if settings else None
     with torch.no_grad():
         start = time.perf_counter()
         out = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
@@ -75,6 +83,8 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[0],
                         help="requests a continuous batch holds at once (0: transformers' default)")
+    parser.add_argument("--cache-tokens", type=int, default=0,
+                        help="every generate_batch's paged cache, in tokens (0: each implementation's default)")
     parser.add_argument("--quick", action="store_true", help="2 layers, prompts of 32-256 tokens, 4 new")
     args = parser.parse_args(argv)
     prompts_len, layers, new = PROMPTS, args.layers, args.new
@@ -93,7 +103,8 @@ def main(argv=None):
     prompts = [torch.randint(1, args.vocab, (n,), generator=g).tolist() for n in prompts_len]
     print(f"# {layers} layers, 16/4 heads x 64, {len(prompts)} requests of {min(prompts_len)}-{max(prompts_len)} "
           f"prompt tokens ({sum(prompts_len)} in all), {new} new each, {args.threads} threads; "
-          f"torch {torch.__version__}, numkv {numkv.__version__}; load: {os.getloadavg()[0]:.2f}", flush=True)
+          f"torch {torch.__version__}, numkv {numkv.__version__}; paged cache: "
+          f"{args.cache_tokens or 'each default'} tokens; load: {os.getloadavg()[0]:.2f}", flush=True)
 
     models = {}
 
@@ -114,7 +125,7 @@ def main(argv=None):
         for concurrency in (args.concurrency if mode.endswith("batch") else [0]):
             m = model(impl)
             if mode.endswith("batch"):
-                elapsed, tokens = run_batch(m, prompts, new, concurrency)
+                elapsed, tokens = run_batch(m, prompts, new, concurrency, args.cache_tokens)
             else:
                 elapsed, tokens = run_one_by_one(m, prompts, new)
             if mode == "sdpa-batch" and reference is None:
