@@ -443,15 +443,7 @@ def register(name: str = "numkv") -> str:
 CONTINUOUS_BATCHING_SUFFIX = "_flash"
 
 
-# transformers sizes its paged cache, when a generate_batch gets no
-# ContinuousBatchingConfig, at 90% of the free memory -- on a CPU, the machine's
-# RAM -- and zeroes all of it each time: 8.0 s of a 38.8 s generate_batch on this
-# 23 GiB VM (issue 42's workload, docs/transformers.md), for 1% of it used.  65,536
-# tokens is ~1 GiB for that model, ~4 GiB (vLLM's CPU default) for Llama-3.2-1B.
-CACHE_TOKENS = 65536
-
-
-def continuous_batching(model, *, cache_tokens: int | None = CACHE_TOKENS) -> str:
+def continuous_batching(model, *, cache_tokens: int | None = 65536) -> str:
     """Let ``model`` (loaded with numkv's implementation, ``register()``'s
     name) run transformers' continuous batching (``model.generate_batch``)
     on numkv: its config's attention implementation becomes the name
@@ -467,7 +459,8 @@ def continuous_batching(model, *, cache_tokens: int | None = CACHE_TOKENS) -> st
     machine's RAM -- and zero it on every ``generate_batch`` (8 s of a 39 s
     batch in docs/transformers.md).  Requests beyond the capacity wait their
     turn.  ``None`` keeps transformers' sizing; a config passed explicitly
-    always wins.
+    always wins.  The default is ~1 GiB for that model, ~4 GiB (vLLM's CPU
+    default) for Llama-3.2-1B in float32.
     """
     current = model.config._attn_implementation
     if current not in _REGISTERED:

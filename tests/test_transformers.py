@@ -717,7 +717,7 @@ def test_continuous_batching_sizes_the_paged_cache_unless_told(monkeypatch):
         return m.init_continuous_batching(**kwargs).continuous_batching_config.num_blocks
 
     nt.continuous_batching(m)
-    assert blocks() == nt.CACHE_TOKENS // 256
+    assert blocks() == 65536 // 256  # the default: 65,536 tokens in pages of 256
     assert blocks(continuous_batching_config=ContinuousBatchingConfig(num_blocks=3)) == 3
     nt.continuous_batching(m, cache_tokens=1000)
     assert blocks() == 4  # pages of 256 tokens
