@@ -454,22 +454,23 @@ def continuous_batching(model, *, cache_tokens: int | None = 65536) -> str:
 
     ``cache_tokens``: the paged cache's capacity, in tokens of every layer,
     when ``generate_batch`` / ``init_continuous_batching`` are given no
-    ``ContinuousBatchingConfig`` (at most half the memory available now).
+    ``ContinuousBatchingConfig``; at least the model's longest request
+    (``max_position_embeddings``) and two pages, at most half the memory
+    free at that call.
     transformers itself would take 90% of the free memory -- on a CPU, the
     machine's RAM -- and zero it on every ``generate_batch`` (8 s of a 39 s
-    batch in docs/transformers.md).  Requests beyond the capacity wait their
-    turn.  ``None`` keeps transformers' sizing; a config passed explicitly
-    always wins.  The default is ~1 GiB for that model, ~4 GiB (vLLM's CPU
-    default) for Llama-3.2-1B in float32.
+    batch in docs/transformers.md).  Requests beyond the capacity wait for
+    pages.  ``None`` keeps transformers' sizing; a config passed explicitly
+    always wins.  65,536 tokens are ~1 GiB for that model; Llama-3.2-1B's
+    131,072 positions in float32 take 8 GiB.
     """
     current = model.config._attn_implementation
     if current not in _REGISTERED:
         raise ValueError(f"the model's attention implementation is {current!r}, not one numkv registered "
                          f"({sorted(_REGISTERED)}): load it with attn_implementation=numkv.transformers.register()")
-    if cache_tokens is not None:
-        if not isinstance(cache_tokens, numbers.Integral) or isinstance(cache_tokens, bool) or cache_tokens < 1:
-            raise ValueError(f"cache_tokens must be a positive int or None, got {cache_tokens!r}")
-        cache_tokens = min(int(cache_tokens), _tokens_in_half_the_free_memory(model))
+    if cache_tokens is not None and (not isinstance(cache_tokens, numbers.Integral) or isinstance(cache_tokens, bool)
+                                     or cache_tokens < 1):
+        raise ValueError(f"cache_tokens must be a positive int or None, got {cache_tokens!r}")
     _size_paged_cache(model, cache_tokens)
     name = current if current.endswith(CONTINUOUS_BATCHING_SUFFIX) else current + CONTINUOUS_BATCHING_SUFFIX
     model.config._attn_implementation = name  # (the config's setter: no flash package is looked for)
@@ -490,25 +491,34 @@ def _size_paged_cache(model, cache_tokens):
         configured = getattr(generation_config or model.generation_config, "continuous_batching_config", None)
         if continuous_batching_config is None and configured is None:
             page = ContinuousBatchingConfig().page_size
-            continuous_batching_config = ContinuousBatchingConfig(num_blocks=max(1, -(-cache_tokens // page)))
+            blocks = -(-_cache_tokens(model, cache_tokens, page) // page)
+            continuous_batching_config = ContinuousBatchingConfig(num_blocks=blocks)
         return init(generation_config, continuous_batching_config, **kwargs)
 
     model.init_continuous_batching = init_continuous_batching
 
 
-def _tokens_in_half_the_free_memory(model):
+def _cache_tokens(model, asked, page):
+    """The paged cache's tokens: ``asked``, but room for the longest request
+    the model takes (transformers fails the requests of a batch when one
+    cannot fit: "No requests can be scheduled"), and at most half the memory
+    free now."""
     text = model.config.get_text_config(decoder=True)
+    longest = getattr(text, "max_position_embeddings", None) or 0
     q_heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // q_heads
     per_token = text.num_hidden_layers * 2 * kv_heads * head_dim * model.dtype.itemsize
+    return max(page, min(max(asked, longest + 2 * page), _free_bytes() // 2 // per_token))
+
+
+def _free_bytes():
     try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # not Linux: psutil, which transformers needs on a CPU
         import psutil
 
-        free = psutil.virtual_memory().available
-    return max(1, free // 2 // per_token)
+        return psutil.virtual_memory().available
 
 
 # The names register() gave numkv's attention (a quantised KVCache needs one).

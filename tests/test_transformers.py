@@ -706,12 +706,15 @@ def test_continuous_batching_refuses_a_model_not_on_numkv():
 
 def test_continuous_batching_sizes_the_paged_cache_unless_told(monkeypatch):
     """With no ContinuousBatchingConfig, generate_batch's manager gets numkv's
-    capacity (transformers' own would zero 90% of the RAM); an explicit config
-    wins, ``cache_tokens=None`` gives transformers' sizing back, and the
-    capacity never exceeds half the free memory."""
+    capacity (transformers' own would zero 90% of the RAM): at least the
+    longest request the model takes, at most half the free memory; an
+    explicit config wins, ``cache_tokens=None`` gives transformers' sizing
+    back."""
     from transformers import ContinuousBatchingConfig
 
     m = _cb_model("llama-gqa", NAME)
+    longest = m.config.max_position_embeddings
+    assert longest < 60000
 
     def blocks(**kwargs):
         return m.init_continuous_batching(**kwargs).continuous_batching_config.num_blocks
@@ -719,16 +722,39 @@ def test_continuous_batching_sizes_the_paged_cache_unless_told(monkeypatch):
     nt.continuous_batching(m)
     assert blocks() == 65536 // 256  # the default: 65,536 tokens in pages of 256
     assert blocks(continuous_batching_config=ContinuousBatchingConfig(num_blocks=3)) == 3
-    nt.continuous_batching(m, cache_tokens=1000)
-    assert blocks() == 4  # pages of 256 tokens
-    monkeypatch.setattr(nt, "_tokens_in_half_the_free_memory", lambda model: 300)
-    nt.continuous_batching(m)
-    assert blocks() == 2
+    nt.continuous_batching(m, cache_tokens=1)
+    assert blocks() == -(-longest // 256) + 2  # room for the longest request
+    nt.continuous_batching(m, cache_tokens=longest + 5000)
+    assert blocks() == -(-(longest + 5000) // 256)
+    per_token = m.config.num_hidden_layers * 2 * m.config.num_key_value_heads * m.config.head_dim * 4
+    monkeypatch.setattr(nt, "_free_bytes", lambda: 2 * 700 * per_token)
+    assert blocks() == 3  # 700 tokens: half the free memory
     nt.continuous_batching(m, cache_tokens=None)
     assert blocks() is None
     for bad in (0, -5, 2.5, True, "many"):
         with pytest.raises(ValueError, match="cache_tokens"):
             nt.continuous_batching(m, cache_tokens=bad)
+
+
+def test_generate_batch_with_a_small_cache_equals_a_large_one():
+    """Requests that do not all fit wait for pages: the same tokens as
+    transformers' own (large) cache, and none failed."""
+    m = _cb_model("llama-gqa", NAME)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (40, 23, 51, 30, 9)]
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    runs = []
+    for cache in (ContinuousBatchingConfig(page_size=16, num_blocks=6, max_batch_tokens=64),
+                  ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64)):
+        nt.continuous_batching(m)
+        with torch.no_grad():
+            out = m.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cache,
+                                   progress_bar=False)
+        runs.append([list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))])
+    assert all(len(tokens) == 5 for tokens in runs[0])
+    assert runs[0] == runs[1]
 
 
 def test_kvcache_qk_precision_reaches_numkvs_attention(monkeypatch):
