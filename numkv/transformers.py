@@ -454,15 +454,15 @@ def continuous_batching(model, *, cache_tokens: int | None = 65536) -> str:
 
     ``cache_tokens``: the paged cache's capacity, in tokens of every layer,
     when ``generate_batch`` / ``init_continuous_batching`` are given no
-    ``ContinuousBatchingConfig``; at least the model's longest request
+    ``ContinuousBatchingConfig``: at least the model's longest request
     (``max_position_embeddings``) and two pages, at most half the memory
-    free at that call.
-    transformers itself would take 90% of the free memory -- on a CPU, the
-    machine's RAM -- and zero it on every ``generate_batch`` (8 s of a 39 s
-    batch in docs/transformers.md).  Requests beyond the capacity wait for
-    pages.  ``None`` keeps transformers' sizing; a config passed explicitly
-    always wins.  65,536 tokens are ~1 GiB for that model; Llama-3.2-1B's
-    131,072 positions in float32 take 8 GiB.
+    free at that call.  transformers itself would take 90% of the free
+    memory -- on a CPU, the machine's RAM -- and zero it on every
+    ``generate_batch`` (8 s of a 39 s batch in docs/transformers.md).
+    Requests beyond the capacity wait for pages.  ``None`` keeps
+    transformers' sizing; a config passed explicitly always wins.  65,536
+    tokens are ~1 GiB for that benchmark's model; Llama-3.2-1B's 131,072
+    positions in float32 take 8 GiB.
     """
     current = model.config._attn_implementation
     if current not in _REGISTERED:
