@@ -135,7 +135,7 @@ PAGES = PAGE_SIZE + 1
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "ab42d82f81c66ea9c1fb3ad9967d1b9d5fdd7e7d3238b4749cbe418faa7ddf3f"
+HELPERS_SHA256 = "9b3e604e325555dc79b721bd379378ce62d9f9fa8f769f4c7830fa2dc65b9381"
 
 
 # -- work items --------------------------------------------------------------------------

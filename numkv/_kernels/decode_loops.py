@@ -56,7 +56,8 @@ AXPY_RUN_VECTORS_ONE_ROW = 4 if VECTOR_BYTES == 64 else 8
 def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     """The ``K * R`` dot products of the rows ``q[q_at[r]:][:length]`` and
     ``k[k_at[j]:][:length]`` (``R`` = 1, 2 or 4 offsets in ``q_at``, ``K`` =
-    two or four in ``k_at``, or eight for one row), stored by rows: ``out[out_at[r] + j]`` for ``j < count``
+    two or four in ``k_at``, or eight for one row), stored by rows:
+    ``out[out_at[r] + j]`` for ``j < count``
     (a masked store: the keys past a tile's end, whose ``k_at`` repeats the
     last, are left out).  ``q`` and ``out`` are flat float arrays, ``k``
     raw bytes holding elements of dtype ``code`` (a constant:
@@ -69,7 +70,7 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     Written as LLVM IR so that the eight sums of a vector loop are reduced
     together (``_reduce_lanes``: ~3 shuffles and adds a sum, against ~9 for
     one reduction after another, which is what LLVM makes of scalar running
-    sums), and a row's four sums leave the reduced lanes as one store
+    sums), and a row's ``K`` sums leave the reduced lanes as one store
     (against 16 extractions and stores a pass, ~1/3 of the scores' time at
     D = 64).  Each sum runs in vector lanes over ``D``'s whole vectors, the
     lanes reduced by the same tree, then on from there one element at a
@@ -78,7 +79,8 @@ def _dots(typingctx, out, out_at, count, q, q_at, k, k_at, length, code, ahead):
     byte table keeps the sign of a NaN pattern, its bit arithmetic does
     not)."""
     if not (isinstance(q_at, types.UniTuple) and isinstance(k_at, types.UniTuple)
-            and isinstance(out_at, types.UniTuple) and (k_at.count in (2, 4) or k_at.count == 8 and q_at.count == 1) and q_at.count in (1, 2, 4)
+            and isinstance(out_at, types.UniTuple) and q_at.count in (1, 2, 4)
+            and (k_at.count in (2, 4) or k_at.count == 8 and q_at.count == 1)
             and out_at.count == q_at.count and k.dtype == types.uint8 and out.dtype == q.dtype
             and isinstance(code, types.IntegerLiteral)):
         return None

@@ -1,6 +1,6 @@
 """The demo's model: a small Llama-style decoder with seeded random weights
-(``python -m numkv demo``), built of ``CachedSelfAttention`` and NumPy.  It exists to exercise and time the caches, not to say anything
-sensible.
+(``python -m numkv demo``), built of ``CachedSelfAttention`` and NumPy.  It
+exists to exercise and time the caches, not to say anything sensible.
 """
 
 from __future__ import annotations
