@@ -279,22 +279,32 @@ class AttentionCall:
     out_dtype: np.dtype
     three_d: bool
     sinks: np.ndarray = None  # (Hq,) float64, or None
-    # Paged keys (``numkv.paged_attention``, B = 1, no past): K and V are the
-    # page pool ``(pages, Hkv, page_size, D)``, key ``t`` in row ``t %
-    # page_size`` of page ``pages[t // page_size]``; ``keys`` of them.
+    # Packed sequences (``numkv.varlen_attention``, ``numkv.paged_attention``;
+    # no past, no mask): Q ``(1, Hq, Tq, D)`` and K / V ``(1, Hkv, Tk, D)``
+    # hold every sequence's rows, and sequence ``b`` -- batch row ``b`` of
+    # ``offset`` and ``valid`` -- is row ``b`` of ``sequences``: its first
+    # query row, its query count, its first key row (``SEQUENCE_FIELDS``);
+    # ``keys`` is the longest sequence's key count.  Paged keys: K and V are
+    # the page pool ``(pages, Hkv, page_size, D)``, key ``t`` of sequence
+    # ``b`` in row ``t % page_size`` of page ``pages[b, t // page_size]``.
+    sequences: np.ndarray = None
     pages: np.ndarray = None
     keys: int = 0
 
     @property
     def total(self):
-        if self.pages is not None:
+        if self.sequences is not None:
             return self.keys
         return self.past_k.shape[2] + self.k.shape[2]
 
     def new_output(self):
-        """Y in the accumulation dtype, and its 4-D ``(b, h, s, d)`` view."""
+        """Y in the accumulation dtype, and its 4-D ``(b, h, s, d)`` view
+        (packed sequences: ``(Tq, Hq, Dv)``, viewed as ``(1, Hq, Tq, Dv)``)."""
         b, hq, sq, _ = self.q.shape
         dv = self.v.shape[3]
+        if self.sequences is not None:
+            y = np.empty((sq, hq, dv), self.acc_dtype)
+            return y, y.transpose(1, 0, 2)[None]
         if self.three_d:
             y = np.empty((b, sq, hq * dv), self.acc_dtype)
             return y, y.reshape(b, sq, hq, dv).transpose(0, 2, 1, 3)
@@ -337,6 +347,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     kernels = _attention_kernels()
     b, hq, sq, d = call.q.shape
     hkv, dv, total = call.k.shape[1], call.v.shape[3], call.total
+    packed = call.sequences is not None
+    if packed:  # a batch row a sequence, as many query rows as the longest
+        queries = call.sequences[:, kernels.QUERIES]
+        b, sq = len(queries), int(queries.max())
     group = hq // hkv
     gemm_rows = _config.GEMM_MIN_ROWS if gemm_rows is None else gemm_rows
     auto_q, auto_k = _tiles(b * hkv, group, sq, gemm_rows)
@@ -344,10 +358,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     block_k = block_k or auto_k
     if call.pages is not None:  # paged keys: a divisor of the page size (no tile crosses a page)
         page = call.k.shape[2]
-        block_k = max(b for b in range(1, min(block_k, page) + 1) if page % b == 0)
+        block_k = max(n for n in range(1, min(block_k, page) + 1) if page % n == 0)
     uses_gemm = group * block_q >= gemm_rows
     n_q_tiles = -(-sq // block_q)
-    macs = b * hq * sq * total * (d + dv)
+    pairs = int(queries @ call.valid) if packed else b * sq * total  # (query, key) pairs a query head
+    macs = hq * pairs * (d + dv)
     threads = _useful_threads(macs)
     if kv_chunk is None:
         # Chunks exist to feed many threads; on one or two they add a merge
@@ -368,9 +383,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
                    causal=int(call.is_causal), left=call.left, right=call.right,
                    has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
                    n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   gemm_rows=gemm_rows)
-    if call.pages is not None:  # the page size and each block of keys' page (``kernels.PAGE_SIZE``)
-        ints = np.concatenate([ints, [call.k.shape[2]], call.pages])
+                   gemm_rows=gemm_rows, **_tables(call, len(kernels.INT_FIELDS)))
+    if packed:  # the sequences' table, then the pages' (``kernels.SEQUENCES``, ``kernels.PAGES``)
+        tables = [ints, call.sequences.ravel()] + ([] if call.pages is None else [call.pages.ravel()])
+        ints = np.concatenate(tables).astype(np.int64, copy=False)
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
@@ -382,6 +398,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     size = call.acc_dtype.itemsize
     for t, (arr, width) in enumerate(((q, d), (call.past_k, d), (call.k, d), (call.past_v, dv), (call.v, dv))):
         flat, base, strides = byte_operand(kernel_array(arr))
+        if packed and arr.shape[0] == 1:  # sequences lie along s (``kernels.SEQUENCES``)
+            strides[0] = 0
         inputs.append(flat)
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else _QUANT_FORMATS[arr.format].code
@@ -398,7 +416,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         flat, base, strides = flat_view(call.mask, call.acc_dtype)
         inputs.append(flat)
         desc += (base, *strides, 0, 0)
-    desc += (0, *[s // size for s in y4.strides], 0, 0)  # Y: new and contiguous, y4 starts where y does
+    y_strides = [s // size for s in y4.strides]
+    if packed:
+        y_strides[0] = 0
+    desc += (0, *y_strides, 0, 0)  # Y: new and contiguous, y4 starts where y does
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     n_items, rows = b * hkv * n_units, group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
@@ -417,11 +438,31 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
         threads=threads,
         macs=macs,
-        y_scale=output_scale(call.v, hq, call.acc_dtype), loops=loops)
+        y_scale=_packed_scale(output_scale(call.v, hq, call.acc_dtype), hq, dv) if packed
+        else output_scale(call.v, hq, call.acc_dtype), loops=loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
     if key is not None and not any(bases):
         _keep(key, plan)
     return plan.run(inputs[:5], inputs[5], y)
+
+
+def _tables(call, end):
+    """The ``ints`` fields of packed sequences and pages: where their tables
+    start past the ``INT_FIELDS`` (0: none), the page size and the pages a
+    sequence's row of the block table holds."""
+    if call.sequences is None:
+        return dict(sequences=0, page_size=0, pages=0, pages_per_row=0)
+    paged = call.pages is not None
+    return dict(sequences=end, page_size=call.k.shape[2] if paged else 0,
+                pages=end + call.sequences.size if paged else 0, pages_per_row=call.pages.shape[1] if paged else 0)
+
+
+def _packed_scale(scale, hq, dv):
+    """An int8 / int4 V's output scale (broadcasting to ``(B, Hq, Sq, Dv)``)
+    for packed rows ``(Tq, Hq, Dv)``."""
+    if scale is None:
+        return None
+    return np.broadcast_to(scale, (1, hq, 1, dv))[0].transpose(1, 0, 2)
 
 
 def _useful_threads(macs):

@@ -6,24 +6,22 @@ Named dims: ``N`` sequences, ``Tq`` / ``Tk`` packed query / key rows, ``Hq``,
 ``Hkv``, ``D``, ``Dv`` as in ``numkv.attention``; sequence ``i`` owns query
 rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``.
 
-coerce -> validate everything (before any work) -> per sequence, 4-D views
-of its rows (no copy) -> ``numkv.attention``'s prepared call with
-``nonpad_kv_seqlen`` = its key count (the bottom-right causal offset and
-windows of flash-attention) -> its kernel -> Y's rows.
+coerce -> validate everything (before any work) -> one ``AttentionCall``
+over the packed rows (``sequences``: each sequence's first query row, query
+count and first key row; ``valid`` its key count, ``offset`` the bottom-right
+causal offset of flash-attention) -> one launch of ``numkv.attention``'s
+kernel -> Y ``(Tq, Hq, Dv)``.
 
-Each sequence is one call of ``numkv.attention``'s kernel, from a Python
-loop (not one launch for the whole batch): its cost is the pairs that
-sequence attends (never the packed total squared), and each call spreads
-over numkv's threads by its own size -- a long prompt's query tiles, a long
-decode's key chunks -- while a one-token decode of a short sequence stays on
-the calling thread (``_config.SINGLE_THREAD_MACS``).  The price is Python
-per sequence and layer: ~130-160 us on a 2-vCPU Zen 3 (1-32 one-token
-sequences, 1 thread), ~60 of them ``prepare`` and ``run`` rebuilding the
-kernel's arguments (a call with ``nonpad_kv_seqlen`` keeps no plan).
+Each sequence costs the pairs it attends (never the packed total squared),
+and the work items of every sequence -- a long prompt's query tiles, each
+decode's kv heads or key chunks -- share numkv's threads, claimed one at a
+time.  The Python of a call does not grow with the sequences but for
+NumPy's work on their offsets (docs/design.md, "Many sequences").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -79,24 +77,49 @@ def varlen_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, cu_seqlens_q: Arr
     # One call of the sequences' shapes: every argument checked before any work.
     first = _attention.prepare(_rows(Q, 0, 0), _rows(K, 0, 0), _rows(V, 0, 0),
                                nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs)
-    attrs["sinks"] = first.sinks
-    y = np.empty((Q.shape[0], Q.shape[1], V.shape[2]), first.out_dtype)
-    for i in range(n):
-        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        if q1 == q0:
-            continue
-        call = _attention.prepare(_rows(Q, q0, q1), _rows(K, k0, k1), _rows(V, k0, k1),
-                                  nonpad_kv_seqlen=np.array([k1 - k0], np.int64), **attrs)
-        y[q0:q1] = _run(call)[0].transpose(1, 0, 2)
-    return y
+    keys = np.diff(cu_k)
+    return _run(_packed_call(first, _rows(Q, 0, Q.shape[0]), _rows(K, 0, K.shape[0]), _rows(V, 0, V.shape[0]),
+                             cu_q, cu_k[:-1], keys, left_window_size, right_window_size))
+
+
+def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right_window_size, pages=None):
+    """The sequences as one call of the kernel (``AttentionCall.sequences``):
+    ``first``, the checked call of their shapes, on the packed ``q``, ``k``
+    and ``v`` (4-D views), sequence ``i``'s queries rows ``cu_q[i]:cu_q[i +
+    1]``, its keys ``keys[i]`` from row ``first_keys[i]`` (or from its row
+    of the block table ``pages``); causal bottom-right, windows from the
+    same positions."""
+    queries = np.diff(cu_q)
+    sequences = np.stack([cu_q[:-1], queries, first_keys], axis=1).astype(np.int64)
+    longest = int((keys + queries).max(initial=0))  # (a window this long or longer excludes nothing)
+    return dataclasses.replace(
+        first, q=q, k=k, v=v, past_k=first.past_k[:, :, :0], past_v=first.past_v[:, :, :0],
+        offset=keys - queries, valid=keys.copy(), sequences=sequences, pages=pages, keys=int(keys.max(initial=0)),
+        left=_attention._window(left_window_size, "left_window_size", longest),
+        right=_attention._window(right_window_size, "right_window_size", longest))
 
 
 def _run(call):
-    if _config.REFERENCE:
-        from ._reference import attention_reference
+    """Y ``(Tq, Hq, Dv)`` of a packed call: one launch of the kernel over
+    every sequence, or (``NUMKV_REFERENCE``) the NumPy path on each alone."""
+    if not _config.REFERENCE:
+        return _attention.run(call)
+    from ._reference import attention_reference
 
-        return call.finish(attention_reference(call)[0])
-    return _attention.run(call)
+    y = np.empty((call.q.shape[2], call.q.shape[1], call.v.shape[3]), call.out_dtype)
+    for i, (q0, sq, k0) in enumerate(call.sequences.tolist()):
+        if not sq:
+            continue
+        keys = int(call.valid[i])
+        if call.pages is None:
+            k, v = call.k[:, :, k0:k0 + keys], call.v[:, :, k0:k0 + keys]
+        else:  # the simple path gathers the pages into a copy
+            table = call.pages[i, :-(-keys // call.k.shape[2])]
+            k, v = _gather(call.k, table, keys), _gather(call.v, table, keys)
+        alone = dataclasses.replace(call, q=call.q[:, :, q0:q0 + sq], k=k, v=v, offset=call.offset[i:i + 1],
+                                    valid=call.valid[i:i + 1], sequences=None, pages=None, keys=0)
+        y[q0:q0 + sq] = alone.finish(attention_reference(alone)[0])[0].transpose(1, 0, 2)
+    return y
 
 
 def _rows(x, start, stop):
@@ -215,37 +238,20 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
         raise ValueError(f"block_table is too short: seq_lens[{i}] = {int(lengths[i])} needs {int(needed[i])} "
                          f"blocks of {block_size}, block_table has {table.shape[1]} a row")
     table = table.astype(np.int64)
-    for i in range(n):
-        used = table[i, :needed[i]]
-        bad = np.flatnonzero((used < 0) | (used >= num_blocks))
-        if bad.size:
-            p = int(bad[0])
-            raise ValueError(f"block_table[{i}, {p}] = {int(used[p])} is outside the pool's blocks "
-                             f"[0, {num_blocks})")
+    used = np.arange(table.shape[1]) < needed[:, None]  # the entries the sequences read
+    bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))
+    if bad.size:
+        i, p = (int(x) for x in bad[0])
+        raise ValueError(f"block_table[{i}, {p}] = {int(table[i, p])} is outside the pool's blocks "
+                         f"[0, {num_blocks})")
     attrs = dict(scale=scale, is_causal=is_causal, softcap=softcap, left_window_size=left_window_size,
                  right_window_size=right_window_size, sinks=sinks)
     k_all, v_all = _pool_view(pool_k), _pool_view(pool_v)  # (num_blocks, Hkv, block_size, D): no copy
-    # One call of the sequences' shapes: every argument checked before any work.
+    # One call of the sequences' shapes (keys of page 0 stand in): every argument checked before any work.
     first = _attention.prepare(_rows(Q, 0, 0), k_all[:1, :, :0], v_all[:1, :, :0],
                                nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs)
-    attrs["sinks"] = first.sinks
-    y = np.empty((Q.shape[0], Q.shape[1], pool_v.shape[3]), first.out_dtype)
-    for i in range(n):
-        q0, q1, keys = int(cu_q[i]), int(cu_q[i + 1]), int(lengths[i])
-        if q1 == q0:
-            continue
-        # Checked as a call of the sequence's shapes (its keys of page 0 stand in), then pointed at the pool.
-        call = _attention.prepare(_rows(Q, q0, q1), k_all[:1, :, :0], v_all[:1, :, :0],
-                                  nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs)
-        call.k, call.v, call.pages, call.keys = k_all, v_all, table[i, :needed[i]], keys
-        call.offset[:], call.valid[:] = keys - (q1 - q0), keys
-        call.left = _attention._window(left_window_size, "left_window_size", keys + q1 - q0)
-        call.right = _attention._window(right_window_size, "right_window_size", keys + q1 - q0)
-        if _config.REFERENCE:
-            y[q0:q1] = _paged_reference(call, table[i, :needed[i]])[0].transpose(1, 0, 2)
-        else:
-            y[q0:q1] = _attention.run(call)[0].transpose(1, 0, 2)
-    return y
+    return _run(_packed_call(first, _rows(Q, 0, Q.shape[0]), k_all, v_all, cu_q, np.zeros(n, np.int64), lengths,
+                             left_window_size, right_window_size, pages=table))
 
 
 def _pages(x, name):
@@ -270,20 +276,6 @@ def _pool_view(x):
         return QuantizedArray(x.format, x.storage.transpose(0, 2, 1, 3), scale,
                               _shape=(x.shape[0], x.shape[2], x.shape[1], x.shape[3]))
     return x.transpose(0, 2, 1, 3)
-
-
-def _paged_reference(call, pages):
-    """The NumPy path over the sequence's keys gathered from their pages
-    (``NUMKV_REFERENCE``: the simple path, which may copy)."""
-    import dataclasses
-
-    from ._reference import attention_reference
-
-    keys = call.keys
-    k = _gather(call.k, pages, keys)
-    v = _gather(call.v, pages, keys)
-    plain = dataclasses.replace(call, k=k, v=v, pages=None, keys=0)
-    return plain.finish(attention_reference(plain)[0])
 
 
 def _gather(pool, pages, keys):

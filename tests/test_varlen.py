@@ -99,6 +99,48 @@ def test_varlen_and_paged_equal_attention_on_each_sequence(batch):
     _check_each_sequence(yp, q, k, v, cu_q, cu_k, attrs)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_one_launch_on_any_thread_count(split, rng, monkeypatch):
+    """Every sequence in one launch of the kernel, whatever its threads: a
+    long prompt (matrix-product tiles in pairs) beside one-token decodes and
+    empty sequences, or decodes whose keys split into chunks; items claimed or in
+    shares; each sequence's rows as ``numkv.attention`` on it alone, and Y
+    the same bits on 1, 2 and 3 threads (varlen's and paged's each)."""
+    from numkv import _attention
+    from numkv._runtime import pool, thread_count
+
+    # (a long prompt makes enough items: no split)
+    lens_q, lens_k = [1 if split else 70, 1, 0, 1, 3, 0, 1], [90, 300, 5, 1, 40, 0, 0]
+    q, k, v, cu_q, cu_k = _pack(rng, lens_q, lens_k, 8, 2)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, 16)
+    attrs = dict(is_causal=True, left_window_size=50, sinks=rng.standard_normal(8))
+    for threshold in ("SINGLE_THREAD_MACS", "THREAD_MACS"):
+        monkeypatch.setattr(_config, threshold, 0)
+    monkeypatch.setattr(_config, "SPLIT_MACS", 0 if split else 1 << 40)
+    monkeypatch.setattr(_config, "MIN_CHUNK", 8)
+    launches, chunks, run = [], [], pool.run
+
+    def spy(kernel, n_items, args, *rest, **kwargs):
+        launches.append(kernel.__name__)
+        chunks.append(args[7][_attention._attention_kernels().N_CHUNKS])  # ints
+        return run(kernel, n_items, args, *rest, **kwargs)
+
+    monkeypatch.setattr(pool, "run", spy)
+    results = []
+    for threads, claim in ((1, False), (2, False), (3, True), (2, True)):
+        monkeypatch.setattr(_config, "CLAIM_ITEMS", claim)
+        monkeypatch.setattr(thread_count, "get_num_threads", lambda threads=threads: threads)
+        y = numkv.varlen_attention(q, k, v, cu_q, cu_k, **attrs)
+        yp = numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q, **attrs)
+        results += [y, yp]
+    assert launches == ["attention_items"] * 8  # one launch a call
+    assert (min(chunks) > 1) == split
+    for first in results[:2]:  # (paged: tiles within a page, not the same bits as varlen's)
+        _check_each_sequence(first, q, k, v, cu_q, cu_k, attrs)
+    for i, other in enumerate(results[2:]):
+        np.testing.assert_array_equal(other, results[i % 2])
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_paged_pages_of_every_format(fmt, block_size, rng):

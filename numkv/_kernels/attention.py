@@ -98,10 +98,12 @@ file, so numba recompiles.
 Preconditions (the wrapper checks them): every index the strides produce is in
 bounds, ``0 <= valid[b] <= T``, window sizes < T + Sq (larger ones arrive as
 -1), tiles >= 1, ``Hq % Hkv == 0``, the partial buffers hold ``n_items *
-n_chunks`` entries and ``chunks_done`` ``n_items`` zeros when split; paged
-keys (``ints`` past ``INT_FIELDS``): one batch row, no past, a page for every
-``page`` keys of ``T``, each a batch index of K and V, ``block_k`` a divisor
-of ``page`` and the key chunk a multiple of ``block_k``.
+n_chunks`` entries and ``chunks_done`` ``n_items`` zeros when split; packed
+sequences (``layout.SEQUENCES``): no past, no mask, stride_b 0, each
+sequence's rows within its tensors, ``Sq`` and ``T`` their longest; paged
+keys (``layout.PAGE_SIZE``): a page in the block table for every ``page``
+keys of ``valid[b]``, each a batch index of K and V, ``block_k`` a divisor of
+``page`` and the key chunk a multiple of ``block_k``.
 """
 
 import numpy as np
@@ -110,32 +112,28 @@ from numba.extending import overload
 
 from .._config import jit
 from .._runtime.protocol import pool_enter, pool_exit
-from .layout import (BASE, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, F32, F64, FINISH, GEMM_ROWS, GEMM_SCORES,
-                     GEMM_SOFTMAX, GEMM_VALUES, HAS_MASK, HEAD_SIZE, INT_FIELDS, KV_HEADS, LEFT, N_CHUNKS, N_Q_TILES,
-                     N_UNITS, PAST, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCORES, SCORE_SCALE, SOFTCAP, SOFTMAX, STRIDE_B,
-                     STRIDE_D, STRIDE_H, STRIDE_S, TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, VALUES,
-                     V_HEAD_SIZE)
+from .layout import (BASE, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, F32, F64, FINISH, FIRST_KEY, FIRST_QUERY, GEMM_ROWS,
+                     GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, HAS_MASK, HEAD_SIZE, KV_HEADS, LEFT, N_CHUNKS, N_UNITS,
+                     PAGES, PAGES_PER_ROW, PAGE_SIZE, PAST, QUERIES, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCORES,
+                     SCORE_SCALE, SEQUENCES, SEQUENCE_FIELDS, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S,
+                     TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE)
 from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _full_width_loops, _max, _min, _run, _view
 from .widen import _kv_tile, _widen_rows_of
 
 # The contract with the wrapper, read here by ``_attention.run`` (``kernels.NAME``).
-from .layout import DTYPE_CODES, FLOAT_FIELDS, FORMAT_TABLE, TENSOR_FIELDS, TENSORS  # noqa: F401
+from .layout import DTYPE_CODES, FLOAT_FIELDS, FORMAT_TABLE, INT_FIELDS, TENSOR_FIELDS, TENSORS  # noqa: F401
 from .loop_functions import loop_table, read_in_place  # noqa: F401
 
-# Past ``INT_FIELDS`` in ``ints`` (paged keys only): the page size, then the
-# page of keys ``p * page .. (p + 1) * page - 1`` at ``PAGES + p``: K and V's
-# batch index is then the page, their sequence index the row in it.  The
-# wrapper makes ``block_k`` divide the page and the key chunk a multiple of
-# it; tiles then start at multiples of ``block_k`` (a ``while`` loop that
-# cut tiles at page ends instead cost decode ~10-25%, Hq=16 Hkv=4 D=64
-# Skv=1088, 2 threads, ``tools/ab_decode.py``).
-PAGE_SIZE = len(INT_FIELDS)
-PAGES = PAGE_SIZE + 1
+# Paged keys (``layout.PAGE_SIZE``): the wrapper makes ``block_k`` divide
+# the page and the key chunk a multiple of it; tiles then start at
+# multiples of ``block_k`` (a ``while`` loop that cut tiles at page ends
+# instead cost decode ~10-25%, Hq=16 Hkv=4 D=64 Skv=1088, 2 threads,
+# ``tools/ab_decode.py``).
 
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "9b3e604e325555dc79b721bd379378ce62d9f9fa8f769f4c7830fa2dc65b9381"
+HELPERS_SHA256 = "abd65e626e24f5b70413700e1cc67420fcb12a0e78678c652a3176c7ee1fb10e"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -162,15 +160,16 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     _full_width_loops()
     if not pool_enter(ctrl, role):  # (a long call: every share ran without the GIL)
         return
-    n_units, n_ch, n_qt = ints[N_UNITS], ints[N_CHUNKS], ints[N_Q_TILES]
+    n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
     group = ints[Q_HEADS] // ints[KV_HEADS]
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
     q_scale, score_scale, softcap = floats[Q_SCALE], floats[SCORE_SCALE], floats[SOFTCAP]
     has_mask = ints[HAS_MASK] != 0
-    # Paged keys (``numkv.paged_attention``): ``ints`` goes on past ``INT_FIELDS``
-    # with the page size and the page of each ``page`` keys (one batch row).
-    paged = ints.size > PAGE_SIZE
+    # Packed sequences and paged keys (``layout.SEQUENCES``, ``layout.PAGE_SIZE``):
+    # each item offsets its own copy of ``desc`` by its sequence's first rows.
+    packed, paged = ints[SEQUENCES] != 0, ints[PAGE_SIZE] != 0
     page = ints[PAGE_SIZE] if paged else 1
+    seq_desc = desc.copy() if packed else desc
     acc_code = _code_of(y)
     dt = y.dtype
     q_code, q_acc, q_step = desc[T_Q, DTYPE], _view(q, y), np.uint64(desc[T_Q, STRIDE_D])
@@ -196,13 +195,24 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
         item, c = work // n_ch, work % n_ch
         b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
         hk, unit = rest // n_units, rest % n_units
+        q_len = ints[Q_LEN]
+        if packed:  # sequence b's rows: Q's and Y's from its first query, K's and V's from its first key
+            seq = ints[SEQUENCES] + len(SEQUENCE_FIELDS) * b
+            q_len, q_row, k_row = ints[seq + QUERIES], ints[seq + FIRST_QUERY], ints[seq + FIRST_KEY]
+            seq_desc[T_Q, BASE] = desc[T_Q, BASE] + q_row * desc[T_Q, STRIDE_S]
+            seq_desc[T_Y, BASE] = desc[T_Y, BASE] + q_row * desc[T_Y, STRIDE_S]
+            seq_desc[T_K, BASE] = desc[T_K, BASE] + k_row * desc[T_K, STRIDE_S]
+            seq_desc[T_V, BASE] = desc[T_V, BASE] + k_row * desc[T_V, STRIDE_S]
+        n_qt = (q_len + bq - 1) // bq  # (a packed sequence may have fewer tiles than the longest: no pair)
         split = n_ch > 1
-        partner = unit if split else n_qt - 1 - unit  # == unit: the middle tile of an odd count
+        # A pair of tiles (t, n_qt - 1 - t), == t for the middle tile of an odd count; a unit
+        # past the sequence's tiles has none (an empty range below).
+        partner = (unit if unit < n_qt else unit - 1) if split else n_qt - 1 - unit
         k_start = c * ints[CHUNK] if split else 0
         k_stop = _min(k_start + ints[CHUNK], ints[TOTAL]) if split else ints[TOTAL]
         for qt_index in range(unit, partner + 1, _max(partner - unit, 1)):
             i0 = qt_index * bq
-            nq = _min(bq, ints[Q_LEN] - i0)
+            nq = _min(bq, q_len - i0)
             rows = group * nq
             acc = acc_all[:rows]
             # Each query's key interval; their union bounds the tiles loaded.
@@ -224,7 +234,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
             if t_lo <= t_hi:
                 qt = _as_rows(qbuf[:rows * d_k], d_k)
                 for g in range(group):
-                    base = (desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
+                    base = (seq_desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
                             + i0 * desc[T_Q, STRIDE_S])
                     if q_code == acc_code:  # copied here: no widening function to compile
                         for i in range(nq):
@@ -250,10 +260,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         n = _min(bk, seg_hi + 1 - j0)
                         kv_b, kv_j = b, j0 - shift
                         if paged:  # the tile lies in one page: key j is row j % page of its page
-                            kv_b, kv_j = ints[PAGES + j0 // page], j0 % page
+                            kv_b, kv_j = ints[ints[PAGES] + b * ints[PAGES_PER_ROW] + j0 // page], j0 % page
                         s = _as_rows(sbuf[:rows * n], n)
                         kr, ko, kld, kcode, k_in_place, failed = _kv_tile(
-                            kbuf, ktile, kv_j, n, d_k, kv_b, hk, kb, desc, tk, table, formats, loops, acc_code)
+                            kbuf, ktile, kv_j, n, d_k, kv_b, hk, kb, seq_desc, tk, table, formats, loops, acc_code)
                         # Some key of the tile is masked for some row: 1, or 2 where only
                         # keys past some rows' last (causal, valid lengths) are.
                         front, back = has_mask, False
@@ -271,7 +281,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                              desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
                              score_scale))
                         vr, vo, vld, vcode, v_in_place, failed = _kv_tile(
-                            vbuf, vtile, kv_j, n, d_v, kv_b, hk, vb, desc, tv, table, formats, loops, acc_code)
+                            vbuf, vtile, kv_j, n, d_v, kv_b, hk, vb, seq_desc, tv, table, formats, loops, acc_code)
                         for r in range(rows):
                             a = alpha[r]
                             if a != 1.0:
@@ -294,7 +304,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 if _count_done(chunks_done, item) < n_ch - 1:  # other chunks of the item are still running
                     continue
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
-            failures += _run(loops[acc_code, FINISH], (y, ints, desc, floats, acc, m, l, bad, part_m, part_l, part_acc,
+            failures += _run(loops[acc_code, FINISH], (y, ints, seq_desc, floats, acc, m, l, bad, part_m, part_l, part_acc,
                                                        b, hk, qt_index, rows, item * n_ch, chunks))
     pool_exit(ctrl, role)
     if failures:

@@ -16,10 +16,22 @@ INT_FIELDS = (
     "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
     "causal", "left", "right", "has_mask",
     "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "gemm_rows",
+    "sequences", "page_size", "pages", "pages_per_row",
 )
 (BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
  CAUSAL, LEFT, RIGHT, HAS_MASK,
- BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, GEMM_ROWS) = range(len(INT_FIELDS))
+ BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, GEMM_ROWS,
+ SEQUENCES, PAGE_SIZE, PAGES, PAGES_PER_ROW) = range(len(INT_FIELDS))
+# Packed sequences (``numkv.varlen_attention``, ``numkv.paged_attention``):
+# batch row ``b`` is sequence ``b``, whose first query row, query count and
+# first key row are ``ints[ints[SEQUENCES] + SEQUENCE_FIELDS * b + ...]``
+# (``sequences`` 0: a plain batch); Q, K, V and Y are then single packed
+# rows (stride_b 0), offset by those rows.  Paged keys (``page_size`` > 0):
+# key ``j`` of sequence ``b`` is row ``j % page_size`` of page
+# ``ints[ints[PAGES] + b * pages_per_row + j // page_size]``, K and V's
+# batch index.
+SEQUENCE_FIELDS = ("first_query", "queries", "first_key")
+FIRST_QUERY, QUERIES, FIRST_KEY = range(len(SEQUENCE_FIELDS))
 
 # -- desc[]: a row per tensor, its base offset, (b, h, s, d) strides in elements, dtype code
 TENSORS = ("q", "past_k", "k", "past_v", "v", "mask", "y")

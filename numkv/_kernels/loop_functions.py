@@ -44,7 +44,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "60fffc493be32fab6b79c74b9f69bceffffeb123ef06a875ce94348dcf64bde5"
+HELPERS_SHA256 = "008edc89374c2b4304606c4b83fe36f3e44b03f833181192bbdaab8cc467506e"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "670e9c623749349b21b85d53f3c28fea9c4b277b24ca8992307d1ffdc8219e66"
+HELPERS_SHA256 = "35c50dfa32fb312383bed9ca95413243bd44465ed6d93402dbfade100ed4b2fb"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its
