@@ -86,7 +86,10 @@ every pair costs the same.  Few query tiles
 (decode) split the key range into chunks instead, of a length set by the
 shapes only; the thread that finishes an item's last chunk merges their
 partial softmaxes in chunk order, so results do not depend on the thread
-count.
+count.  Packed sequences (``varlen_attention``, ``paged_attention``) are
+the batch rows of one launch: ``b`` is a sequence, its tiles and key range
+its own (a unit or chunk past them is empty), so the items of a long prompt
+and of many short decodes share the threads.
 
 numba's disk cache notices edits to a kernel's own file only, and the
 kernels here compile the helpers of the modules above into themselves:
@@ -304,8 +307,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 if _count_done(chunks_done, item) < n_ch - 1:  # other chunks of the item are still running
                     continue
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
-            failures += _run(loops[acc_code, FINISH], (y, ints, seq_desc, floats, acc, m, l, bad, part_m, part_l, part_acc,
-                                                       b, hk, qt_index, rows, item * n_ch, chunks))
+            failures += _run(loops[acc_code, FINISH], (y, ints, seq_desc, floats, acc, m, l, bad, part_m, part_l,
+                                                       part_acc, b, hk, qt_index, rows, item * n_ch, chunks))
     pool_exit(ctrl, role)
     if failures:
         raise RuntimeError(LOOP_FAILED)
