@@ -92,9 +92,9 @@ def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right
     queries = np.diff(cu_q)
     sequences = np.stack([cu_q[:-1], queries, first_keys], axis=1).astype(np.int64)
     longest = int((keys + queries).max(initial=0))  # (a window this long or longer excludes nothing)
-    return dataclasses.replace(
-        first, q=q, k=k, v=v, past_k=first.past_k[:, :, :0], past_v=first.past_v[:, :, :0],
-        offset=keys - queries, valid=keys.copy(), sequences=sequences, pages=pages, keys=int(keys.max(initial=0)),
+    return dataclasses.replace(  # (``first``'s past: none)
+        first, q=q, k=k, v=v, offset=keys - queries, valid=keys, sequences=sequences, pages=pages,
+        keys=int(keys.max(initial=0)),
         left=_attention._window(left_window_size, "left_window_size", longest),
         right=_attention._window(right_window_size, "right_window_size", longest))
 

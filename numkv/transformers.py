@@ -42,7 +42,6 @@ and sdpa attention, as a DynamicCache would.
 from __future__ import annotations
 
 import numbers
-import os
 
 import ml_dtypes
 import numpy as np
@@ -455,8 +454,9 @@ def continuous_batching(model, *, cache_tokens: int | None = 65536) -> str:
     ``cache_tokens``: the paged cache's capacity, in tokens of every layer,
     when ``generate_batch`` / ``init_continuous_batching`` are given no
     ``ContinuousBatchingConfig``: at least the model's longest request
-    (``max_position_embeddings``) and two pages, at most half the memory
-    free at that call.  transformers itself would take 90% of the free
+    (``max_position_embeddings``) and two pages, but never more than half
+    the memory available at that call (which wins: a request longer than
+    such a cache then fails in transformers).  transformers itself would take 90% of the free
     memory -- on a CPU, the machine's RAM -- and zero it on every
     ``generate_batch`` (8 s of a 39 s batch in docs/transformers.md).
     Requests beyond the capacity wait for pages.  ``None`` keeps
@@ -513,12 +513,20 @@ def _cache_tokens(model, asked, page):
 
 
 def _free_bytes():
+    """The memory a new allocation can take now: Linux's ``MemAvailable``
+    (free pages and the page cache it can drop -- on a server, where model
+    files fill the cache, often many times ``MemFree``), else psutil's
+    (which transformers reads on a CPU too)."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # not Linux: psutil, which transformers needs on a CPU
-        import psutil
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
 
-        return psutil.virtual_memory().available
+    return psutil.virtual_memory().available
 
 
 # The names register() gave numkv's attention (a quantised KVCache needs one).

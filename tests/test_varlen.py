@@ -1,7 +1,7 @@
 """``numkv.varlen_attention`` and ``numkv.paged_attention``: each sequence's
 rows equal ``numkv.attention`` on that sequence alone (API.md), over random
 lengths 0..n, page sizes, block tables in any order, GQA, windows, softcap,
-sinks and K/V dtypes (float32, bfloat16, q8_0 and q4_0 pages); the float64
+sinks and K/V dtypes (float32, bfloat16, q8_0, q4_0, int8 and int4 pages); the float64
 loop on one case; the reference path; bad input."""
 
 import ml_dtypes
@@ -141,16 +141,18 @@ def test_one_launch_on_any_thread_count(split, rng, monkeypatch):
         np.testing.assert_array_equal(other, results[i % 2])
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0", "int8", "int4"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_paged_pages_of_every_format(fmt, block_size, rng):
     lens_q, lens_k = [1, 7, 0, 1, 3], [40, 7, 3, 1, 300]
     q, k, v, cu_q, cu_k = _pack(rng, lens_q, lens_k, 8, 2, BF16 if fmt == "bfloat16" else np.float32)
     pool_k, pool_v, table = _paginate(rng, k, v, cu_k, block_size)
     attrs = dict(is_causal=True, left_window_size=20, sinks=rng.standard_normal(8))
-    if fmt in ("q8_0", "q4_0"):
+    if fmt != "bfloat16":
         pool_k, pool_v = np.nan_to_num(pool_k), np.nan_to_num(pool_v)  # quantised garbage pages: zeros
-        pool_k, pool_v = numkv.quantize(pool_k, fmt), numkv.quantize(pool_v, fmt)
+        # (int8 / int4: a scale per tensor, which Y takes at the end: ``_attention._packed_scale``)
+        scale = {"int8": 0.03, "int4": 0.4}.get(fmt)
+        pool_k, pool_v = numkv.quantize(pool_k, fmt, scale=scale), numkv.quantize(pool_v, fmt, scale=scale)
         # what the pages hold, dequantised, packed back: the keys attention sees
         k_deq, v_deq = (np.concatenate([p.dequantize()[table[i, :-(-lens_k[i] // block_size)]].reshape(-1, 2, D)
                                         [:lens_k[i]] for i in range(5)]) for p in (pool_k, pool_v))
