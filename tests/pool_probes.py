@@ -4,6 +4,7 @@ item, block until told, or raise, as a kernel would (``_runtime.protocol``)."""
 import numba
 import numpy as np
 
+from numkv._kernels.simd import _claim
 from numkv._runtime.protocol import _add, _load, _pause, _store, pool_enter, pool_exit
 
 
@@ -18,6 +19,21 @@ def count_items(first, stop, hits, shares, work, ctrl, role):
     for i in range(first, stop):
         for _ in range(work):
             _pause()
+        _add(hits, i, 1)
+    pool_exit(ctrl, role)
+
+
+@numba.njit
+def claim_items(first, stop, hits, shares, counter, ctrl, role):
+    """``hits[i] += 1`` for each item ``[first, stop)`` this share claims
+    from ``counter`` (a ``claimed`` call: every share gets the whole range)."""
+    if not pool_enter(ctrl, role):
+        return
+    _store(shares, max(role, 0), 1)
+    while True:
+        i = _claim(counter)
+        if i >= stop:
+            break
         _add(hits, i, 1)
     pool_exit(ctrl, role)
 

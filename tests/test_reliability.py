@@ -26,7 +26,7 @@ import pytest
 import numkv
 from numkv._runtime import control, pool, thread_count
 
-from pool_probes import block, count_items, fail_at, shares_used
+from pool_probes import block, claim_items, count_items, fail_at, shares_used
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # this checkout's numkv
 
@@ -150,6 +150,28 @@ def test_every_item_runs_once_and_before_the_call_returns(default_threads, relea
         pool.run(count_items, hits.size, (hits, shares, call % 3 * 200), release_gil=release_gil)
         assert (hits == 1).all(), (call, hits)
     assert shares[1:6].any()
+
+
+@pytest.mark.parametrize("claimed", [False, True])
+@pytest.mark.parametrize("release_gil", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_way_to_call_on_a_fresh_pool(monkeypatch, default_threads, threads, release_gil, claimed):
+    """The first call of a process, on 1-3 threads, keeping the GIL or not,
+    items in shares or claimed: the call (packed into the kernel's ``role``,
+    ``control.caller_role``) runs every item once and uses the threads it
+    asked for (one share each, or some of them when claimed)."""
+    monkeypatch.setattr(pool, "_pool", pool._Pool())
+    numkv.set_num_threads(threads)
+    n_items = 1000 if claimed else 30
+    hits, shares = np.zeros(n_items, np.int64), np.zeros(1024, np.int64)
+    counter = np.zeros(1, np.int64)
+    kernel, args = (claim_items, (hits, shares, counter)) if claimed else (count_items, (hits, shares, 0))
+    pool.run(kernel, n_items, args, claimed=claimed, release_gil=release_gil)
+    assert (hits == 1).all(), hits
+    assert (counter[0] >= n_items) if claimed else (shares[threads:].sum() == 0)
+    assert (pool._pool.ctrl is not None) == (threads > 1 or release_gil)
+    if threads > 1 and not claimed:
+        assert shares[1:threads].all()  # (the caller ran the shares nobody started)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

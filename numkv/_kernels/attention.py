@@ -136,7 +136,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "abd65e626e24f5b70413700e1cc67420fcb12a0e78678c652a3176c7ee1fb10e"
+HELPERS_SHA256 = "cfeeefedaedf52318a6298d8755a0db9536a21af4fd17171ac33abc5d5c6f320"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .._runtime.protocol import pool_enter, pool_exit
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "e4ce90bca2c7a1cfb662c8623f9224d300bad7c2ec3820b466707ad9bb81f1a4"
+HELPERS_SHA256 = "8be58c63e7519a70097b6dea5a76825695602ebd55d9dd3569241294269ea8ed"
 
 HEADER = 10
 
