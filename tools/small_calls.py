@@ -6,8 +6,8 @@ Python thread, and the pool's launch; the idle CPU the workers burn.
     python tools/small_calls.py --calls 400 --only threads
 
 Each figure is the median of single calls' times; the compared settings
-alternate (a slow spell of a shared machine falls on all alike): run by run
-(20 calls) back to back, call by call after a gap.  "after a gap": the caller spins ``--gap-ms`` in Python before each
+alternate run by run (20 calls; a slow spell of a shared machine falls on
+all alike).  "after a gap": the caller spins ``--gap-ms`` in Python before each
 call (a model's other work between two attention calls).
 """
 
@@ -36,18 +36,17 @@ def spin(seconds):
 
 
 def interleaved(fns, calls, gap, run=20):
-    """Median seconds of single calls of each of ``fns``.  After a gap: each
-    call after ``gap`` seconds of spinning, the ``fns`` alternating call by
-    call.  Back to back (``gap`` 0): runs of ``run`` calls, the ``fns``
-    alternating run by run (the first call of a run not timed)."""
+    """Median seconds of single calls of each of ``fns``, in runs of ``run``
+    calls, the ``fns`` alternating run by run (the first call of a run not
+    timed: a model calls with one setting, not a new one each call).  After
+    a gap: each call after ``gap`` seconds of spinning."""
     times = [[] for _ in fns]
-    for _ in range(calls if gap else max(1, calls // run)):
+    for _ in range(max(1, calls // run)):
         for fn, out in zip(fns, times):
-            if gap:
+            spin(gap)
+            fn()
+            for _ in range(run):
                 spin(gap)
-            else:
-                fn()
-            for _ in range(1 if gap else run):
                 start = time.perf_counter()
                 fn()
                 out.append(time.perf_counter() - start)
