@@ -11,8 +11,8 @@ from numkv._runtime.protocol import _add, _load, _pause, _store, pool_enter, poo
 @numba.njit
 def count_items(first, stop, hits, shares, work, ctrl, role):
     """``hits[i] += 1`` (atomically) for each item of the share, after
-    ``work`` spins; ``shares[max(role, 0)] = 1`` (the caller's share is role
-    -1, or 0 when it runs without the GIL)."""
+    ``work`` spins; ``shares[max(role, 0)] = 1`` (the caller's share has a
+    negative role, or 0 when it runs without the GIL)."""
     if not pool_enter(ctrl, role):
         return
     _store(shares, max(role, 0), 1)
@@ -25,13 +25,14 @@ def count_items(first, stop, hits, shares, work, ctrl, role):
 
 @numba.njit
 def claim_items(first, stop, hits, shares, counter, ctrl, role):
-    """``hits[i] += 1`` for each item ``[first, stop)`` this share claims
-    from ``counter`` (a ``claimed`` call: every share gets the whole range)."""
+    """``hits[i] += 1`` for each item of ``[first, stop)`` this share
+    claims from ``counter`` (a ``claimed`` call: every share gets the whole
+    range); ``shares[max(role, 0)] = 1``."""
     if not pool_enter(ctrl, role):
         return
     _store(shares, max(role, 0), 1)
     while True:
-        i = _claim(counter)
+        i = first + _claim(counter)
         if i >= stop:
             break
         _add(hits, i, 1)

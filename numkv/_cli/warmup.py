@@ -178,7 +178,7 @@ def _pool_group():
         pool.run(protocol.empty, 2, ())  # (compiles the workers' loop as it starts them)
     finally:
         numkv.set_num_threads(before)
-    protocol.join_after_error(control.new_ctrl())  # (a ctrl of one thread: nothing to join)
+    protocol.join_after_error(control.new_ctrl())  # (a ctrl that ran no job: nothing to join)
 
 
 LOW = ("float16", "bfloat16", *FLOAT8)

@@ -136,7 +136,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "cfeeefedaedf52318a6298d8755a0db9536a21af4fd17171ac33abc5d5c6f320"
+HELPERS_SHA256 = "5beda3146ae20fe87fa1dc66b2aece3b6206f03d0b3486f5473a9d3581ee8df8"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The pool's control block, ``ctrl``: the int64 words the caller, its
-kernel and the resident workers share (``protocol``), and that ``pool``
-fills in Python.  Plain Python: no numba."""
+"""The pool's control block, ``ctrl``: the int64 words the caller's kernel
+and the resident workers share (``protocol``; ``pool`` makes it and reads
+a failure from it), and how Python tells a kernel its call (``caller_role``).
+Plain Python: no numba."""
 
 import numpy as np
 
@@ -24,16 +25,19 @@ CALLED_OFF = -1  # a share's state once the caller took it back
 STATUS_OK, STATUS_NONE = 0, -2  # numba's return codes of a function that returned
 # A caller's role packs its call (``caller_role``): -1 - (threads - 1 | claimed << 10 | release << 11 | items << 12)
 THREAD_BITS, CLAIMED_BIT, RELEASE_BIT, ITEMS_SHIFT = 10, 10, 11, 12
+CLAIMED_FLAG, RELEASE_FLAG = 1 << CLAIMED_BIT, 1 << RELEASE_BIT
+assert MAX_THREADS <= 1 << THREAD_BITS
 
 
 def caller_role(threads, n_items, claimed, release):
     """The ``role`` Python passes a kernel for a call on ``threads`` threads
-    over ``n_items`` items (``claimed``, a bool: every thread claims items
-    from a counter; ``release``, a bool: the call lets go of the GIL):
+    over ``n_items`` items (``claimed``: every thread claims items from a
+    counter; ``release``: the call lets go of the GIL):
     negative, and the kernel's ``pool_enter`` writes the job from it, so
     that Python writes nothing into ``ctrl`` (a worker spinning on it would
     see every store)."""
-    return -1 - ((threads - 1) | claimed << CLAIMED_BIT | release << RELEASE_BIT | n_items << ITEMS_SHIFT)
+    flags = (CLAIMED_FLAG if claimed else 0) | (RELEASE_FLAG if release else 0)
+    return -1 - ((threads - 1) | flags | n_items << ITEMS_SHIFT)
 
 
 def new_ctrl(spin_ns=0, close_ns=0):

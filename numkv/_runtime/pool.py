@@ -116,7 +116,7 @@ def run(kernel, n_items, args, small=False, claimed=False, max_threads=None, rel
     # and the lock's argument by position, ~0.5 us less on a Zen 3 VM.)
     threads = 1 if small else thread_count._threads
     if n_items < threads:
-        threads = n_items
+        threads = max(n_items, 1)
     if max_threads and max_threads < threads:
         threads = max_threads
     if threads > MAX_THREADS:

@@ -16,8 +16,9 @@ kernel (it reads the record back and calls the kernel with a worker's
 ``first``, ``stop`` and ``role``), and posts the job: one release store
 and, only where a worker sleeps, one futex wake.  Launch and join cost the
 caller O(1) in the thread count but for the stores of the workers' states;
-Python writes nothing into ``ctrl``: a worker spinning on it would see each
-of its stores (with a leaner ``pool.run``, a launch went from 4.26 to 2.58 us).
+Python writes nothing into the words the workers watch: a spinning worker
+would see each of its stores (with a leaner ``pool.run``, a launch went from
+4.26 to 2.58 us).
 
 * Shares: worker ``r`` of ``T`` runs items ``[n r / T, n (r + 1) / T)``, or,
   ``claimed``, every item from a shared counter.  A share's state goes
@@ -55,7 +56,7 @@ from .control import (CALLED_OFF, CLAIMED, CLAIMED_BIT, CLOSE_NS, DONE, ENTRY, F
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "774adbdfd503af52deeb123e831186af56276c57d9f50936c18f25a84b3ea25f"
+HELPERS_SHA256 = "d3cc5921c8b16391d98491b581c88bf2a88f9f4154f3dfe2eb10dd71140e6122"
 
 _I64, _I32, _I8P = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
 _LINUX = sys.platform.startswith("linux")
@@ -478,12 +479,15 @@ def compile_resident_loop(ctrl):
 
 @jit()
 def join_after_error(ctrl):
-    """After the caller's share raised (it never reached ``pool_exit``):
-    take back every share nobody started, wait for the others."""
+    """After the caller's share raised (it never reached ``pool_exit``), or
+    its call raised before the kernel ran (then ``ctrl`` holds the last
+    job): take back every share nobody started, wait for those that started
+    this job -- never for one taken back (its ``done`` stays behind)."""
     sequence, threads = _load(ctrl, SEQ), _load(ctrl, THREADS)
     for role in range(1, threads):
         line = WORKERS + role * LINE
-        if not _swap_if(ctrl, line + STATE, 2 * sequence, CALLED_OFF):
+        if not _swap_if(ctrl, line + STATE, 2 * sequence, CALLED_OFF) \
+                and _load(ctrl, line + STATE) == 2 * sequence + 1:
             while _load(ctrl, line + DONE) < sequence:
                 _pause()
 
