@@ -364,34 +364,11 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     pairs = int(queries @ call.valid) if packed else b * sq * total  # (query, key) pairs a query head
     macs = hq * pairs * (d + dv)
     threads = _useful_threads(macs)
-    if kv_chunk is None:
-        # Chunks exist to feed many threads; on one or two they add a merge
-        # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
-        # in 3 chunks).
-        kv_chunk = total if macs < _config.SPLIT_MACS else _kv_chunk(
-            b * hkv * n_q_tiles, total, block_k, _config.TARGET_GEMM_ITEMS if uses_gemm else _config.TARGET_ITEMS)
-    kv_chunk = max(1, min(kv_chunk, max(total, 1)))
-    if call.pages is not None:  # chunks start where tiles do
-        kv_chunk = -(-kv_chunk // block_k) * block_k
-    n_chunks = max(1, -(-total // kv_chunk))
-    # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
-    n_units = n_q_tiles if n_chunks > 1 else -(-n_q_tiles // 2)
-
-    ints = _fields(kernels.INT_FIELDS,
-                   batch=b, q_heads=hq, kv_heads=hkv, q_len=sq, total=total,
-                   past=call.past_k.shape[2], head_size=d, v_head_size=dv,
-                   causal=int(call.is_causal), left=call.left, right=call.right,
-                   has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
-                   n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   gemm_rows=gemm_rows, **_tables(call, len(kernels.INT_FIELDS)))
-    if packed:  # the sequences' table, then the pages' (``kernels.SEQUENCES``, ``kernels.PAGES``)
-        tables = [ints, call.sequences.ravel()] + ([] if call.pages is None else [call.pages.ravel()])
-        ints = np.concatenate(tables).astype(np.int64, copy=False)
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
     codes = kernel_dtype_codes(kernels.DTYPE_CODES)
-    inputs, desc, bases, kv = [], [], [], []
+    inputs, desc, bases, kv, token_major = [], [], [], [], []
     # A QuantizedArray is read as its storage's bytes (its record's code, ``numkv._formats``);
     # an int8 / int4 K's scale is folded into Q, a V's into Y (``_Plan.y_scale``).
     q = folded_query(call.q, call.k, call.acc_dtype)
@@ -409,6 +386,7 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
             q_code = code
         elif arr.shape[2]:  # (K / V without keys: never read, no loops)
             kv.append((code, in_place))
+            token_major.append(strides[1] < strides[2])
     if call.mask is None:
         inputs.append(_NO_MASK[size])
         desc += _NO_MASK_ROW
@@ -421,9 +399,34 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         y_strides[0] = 0
     desc += (0, *y_strides, 0, 0)  # Y: new and contiguous, y4 starts where y does
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
-    n_items, rows = b * hkv * n_units, group * block_q
+    heads_per_item = _heads_per_item(kv, token_major, hkv, uses_gemm)
+    if kv_chunk is None:
+        # Chunks exist to feed many threads; on one or two they add a merge
+        # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
+        # in 3 chunks).
+        kv_chunk = total if macs < _config.SPLIT_MACS else _kv_chunk(
+            b * hkv // heads_per_item * n_q_tiles, total, block_k,
+            _config.TARGET_GEMM_ITEMS if uses_gemm else _config.TARGET_ITEMS)
+    kv_chunk = max(1, min(kv_chunk, max(total, 1)))
+    if call.pages is not None:  # chunks start where tiles do
+        kv_chunk = -(-kv_chunk // block_k) * block_k
+    n_chunks = max(1, -(-total // kv_chunk))
+    # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
+    n_units = n_q_tiles if n_chunks > 1 else -(-n_q_tiles // 2)
+
+    ints = _fields(kernels.INT_FIELDS,
+                   batch=b, q_heads=hq, kv_heads=hkv, q_len=sq, total=total,
+                   past=call.past_k.shape[2], head_size=d, v_head_size=dv,
+                   causal=int(call.is_causal), left=call.left, right=call.right,
+                   has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
+                   n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
+                   gemm_rows=gemm_rows, heads_per_item=heads_per_item, **_tables(call, len(kernels.INT_FIELDS)))
+    if packed:  # the sequences' table, then the pages' (``kernels.SEQUENCES``, ``kernels.PAGES``)
+        tables = [ints, call.sequences.ravel()] + ([] if call.pages is None else [call.pages.ravel()])
+        ints = np.concatenate(tables).astype(np.int64, copy=False)
+    n_items, rows = b * hkv // heads_per_item * n_units, heads_per_item * group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
-    loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm)
+    loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm, heads_per_item > 1)
     with np.errstate(over="ignore"):  # a scale's root beyond the dtype's range is inf, as in the reference
         q_scale, score_scale = _scale_factors(call.scale, call.acc_dtype)
         named = {"q_scale": q_scale, "score_scale": score_scale, "softcap": call.softcap}
@@ -444,6 +447,21 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     if key is not None and not any(bases):
         _keep(key, plan)
     return plan.run(inputs[:5], inputs[5], y)
+
+
+def _heads_per_item(kv, token_major, hkv, uses_gemm):
+    """The kv heads a work item covers: every one where decode's loops read
+    each K and V with keys in place (``kv``: their codes and whether in
+    place) and token-major (``(T, Hkv, D)``: transformers' read-out, the
+    pages); else 1.  The loops then take a key's row for every head at once
+    (``decode_loops._score_keys_heads``): one head's keys after another
+    took 1.6-1.8x head-major keys' time, every head's together 0.94-1.46x
+    (8 decodes of 2,048 keys, Hq16/Hkv4/D64, 1-2 threads, Zen 3;
+    ``tools/token_major_reads.py`` for the reads alone).  By the layout
+    only: Y's bits never depend on the thread count."""
+    if uses_gemm or hkv == 1 or not all(token_major) or not all(in_place for _, in_place in kv):
+        return 1
+    return hkv
 
 
 def _tables(call, end):

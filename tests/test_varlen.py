@@ -141,6 +141,61 @@ def test_one_launch_on_any_thread_count(split, rng, monkeypatch):
         np.testing.assert_array_equal(other, results[i % 2])
 
 
+@pytest.mark.parametrize("fmt", ["float32", "float16", "bfloat16", "q8_0"])
+def test_an_item_of_every_kv_head_gives_the_same_bits(fmt, rng, monkeypatch):
+    """Keys that lie token-major, read by decode's loops: an item covers
+    every kv head, each tile of every head in turn
+    (``_attention._heads_per_item``).  Y has the same bits as with an item a
+    kv head and the same tiles, on 1-3 threads: varlen (GQA, MHA; causal,
+    windows, softcap, sinks), paged (pages of 5 and 16 keys; q8_0 pages), and
+    ``numkv.attention`` over token-major views with a past and a mask."""
+    from numkv import _attention
+    from numkv._runtime import thread_count
+
+    dtype = {"float16": np.float16, "bfloat16": BF16}.get(fmt, np.float32)
+    heads_seen = []
+
+    real = _attention._heads_per_item
+
+    def forced(on):
+        def heads(kv, token_major, hkv, uses_gemm):
+            heads_seen.append(real(kv, token_major, hkv, uses_gemm) if on else 1)
+            return heads_seen[-1]
+        return heads
+
+    def both(fn):
+        results = []
+        for on in (False, True):
+            monkeypatch.setattr(_attention, "_heads_per_item", forced(on))
+            for threads in (1, 2, 3):
+                monkeypatch.setattr(thread_count, "_threads", threads)
+                results.append(fn())
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
+        return results[0]
+
+    for hq, hkv in ((8, 2), (4, 4)):
+        lens_q, lens_k = [1, 1, 0, 1, 3, 1], [150, 7, 3, 0, 300, 64]
+        q, k, v, cu_q, cu_k = _pack(rng, lens_q, lens_k, hq, hkv, dtype)
+        attrs = dict(is_causal=True, left_window_size=100, softcap=4.0, sinks=rng.standard_normal(hq))
+        if fmt != "q8_0":
+            y = both(lambda: numkv.varlen_attention(q, k, v, cu_q, cu_k, **attrs))
+            _check_each_sequence(y, q, k, v, cu_q, cu_k, attrs, rtol=1e-2 if dtype != np.float32 else 1e-5)
+        for block_size in (5, 16):
+            pool_k, pool_v, table = _paginate(rng, k, v, cu_k, block_size)
+            if fmt == "q8_0":
+                pool_k, pool_v = (numkv.quantize(np.nan_to_num(p), fmt) for p in (pool_k, pool_v))
+            both(lambda: numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q, **attrs))
+        if fmt != "q8_0":  # token-major views of (B, S, H, D) buffers, a past, a boolean mask
+            kb, vb = (rng.standard_normal((3, 200, hkv, D)).astype(dtype) for _ in range(2))
+            pk, pv = (rng.standard_normal((3, 40, hkv, D)).astype(dtype) for _ in range(2))
+            q4 = rng.standard_normal((3, hq, 1, D)).astype(np.float32)
+            mask = rng.random((3, hq, 1, 240)) < 0.8
+            both(lambda: numkv.attention(q4, kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3), mask,
+                                         pk.transpose(0, 2, 1, 3), pv.transpose(0, 2, 1, 3)))
+    assert hkv in heads_seen and 2 in heads_seen  # (the items of every kv head did run)
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0", "int8", "int4"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_paged_pages_of_every_format(fmt, block_size, rng):

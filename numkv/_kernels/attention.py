@@ -116,10 +116,11 @@ from numba.extending import overload
 from .._config import jit
 from .._runtime.protocol import pool_enter, pool_exit
 from .layout import (BASE, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, F32, F64, FINISH, FIRST_KEY, FIRST_QUERY, GEMM_ROWS,
-                     GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, HAS_MASK, HEAD_SIZE, KV_HEADS, LEFT, N_CHUNKS, N_UNITS,
-                     PAGES, PAGES_PER_ROW, PAGE_SIZE, PAST, QUERIES, Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCORES,
-                     SCORE_SCALE, SEQUENCES, SEQUENCE_FIELDS, SOFTCAP, SOFTMAX, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S,
-                     TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y, VALUES, V_HEAD_SIZE)
+                     GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, HAS_MASK, HEAD_SIZE, HEADS_PER_ITEM, HEADS_SCORES,
+                     HEADS_VALUES, KV_HEADS, LEFT, N_CHUNKS, N_UNITS, PAGES, PAGES_PER_ROW, PAGE_SIZE, PAST, QUERIES,
+                     Q_HEADS, Q_LEN, Q_SCALE, RIGHT, SCORES, SCORE_SCALE, SEQUENCES, SEQUENCE_FIELDS, SOFTCAP, SOFTMAX,
+                     STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, TOTAL, T_K, T_MASK, T_PAST_K, T_PAST_V, T_Q, T_V, T_Y,
+                     VALUES, V_HEAD_SIZE)
 from .simd import LOOP_FAILED, _as_rows, _claim, _count_done, _full_width_loops, _max, _min, _run, _view
 from .widen import _kv_tile, _widen_rows_of
 
@@ -136,7 +137,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "5beda3146ae20fe87fa1dc66b2aece3b6206f03d0b3486f5473a9d3581ee8df8"
+HELPERS_SHA256 = "d20598b3237fd310080f72cfd6f342ec0a77b08c8e7d2922b90f49eaebb05a07"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -165,6 +166,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
         return
     n_units, n_ch = ints[N_UNITS], ints[N_CHUNKS]
     group = ints[Q_HEADS] // ints[KV_HEADS]
+    heads = ints[HEADS_PER_ITEM]  # kv heads an item covers (``layout.HEADS_PER_ITEM``), and their loops
+    scores, values = (SCORES, VALUES) if heads == 1 else (HEADS_SCORES, HEADS_VALUES)
+    n_head_sets = ints[KV_HEADS] // heads
     bq, bk, d_k, d_v, past = ints[BLOCK_Q], ints[BLOCK_K], ints[HEAD_SIZE], ints[V_HEAD_SIZE], ints[PAST]
     q_scale, score_scale, softcap = floats[Q_SCALE], floats[SCORE_SCALE], floats[SOFTCAP]
     has_mask = ints[HAS_MASK] != 0
@@ -177,12 +181,12 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     dt = y.dtype
     q_code, q_acc, q_step = desc[T_Q, DTYPE], _view(q, y), np.uint64(desc[T_Q, STRIDE_D])
     # Scratch for one item at a time, allocated once per call of this function.
-    rows_max = group * bq
+    rows_max = heads * group * bq
     qbuf, sbuf = np.empty(rows_max * d_k, dt), np.empty(rows_max * bk, dt)
     # K and V tiles: raw bytes as the loops read them, and their float views.
     kbuf, vbuf = np.empty(bk * d_k * y.itemsize, np.uint8), np.empty(bk * d_v * y.itemsize, np.uint8)
     ktile, vtile = _view(kbuf, y), _view(vbuf, y)
-    kt = np.empty(bk * d_k if rows_max >= ints[GEMM_ROWS] else 0, dt)  # K transposed, for the tile products
+    kt = np.empty(bk * d_k if group * bq >= ints[GEMM_ROWS] else 0, dt)  # K transposed, for the tile products
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     # (a 2-D np.empty would compile a function of its own: 0.05 s)
@@ -196,8 +200,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
         if work >= stop:  # every item is taken
             break
         item, c = work // n_ch, work % n_ch
-        b, rest = item // (ints[KV_HEADS] * n_units), item % (ints[KV_HEADS] * n_units)
-        hk, unit = rest // n_units, rest % n_units
+        b, rest = item // (n_head_sets * n_units), item % (n_head_sets * n_units)
+        first_head, unit = rest // n_units * heads, rest % n_units
         q_len = ints[Q_LEN]
         if packed:  # sequence b's rows: Q's and Y's from its first query, K's and V's from its first key
             seq = ints[SEQUENCES] + len(SEQUENCE_FIELDS) * b
@@ -216,8 +220,9 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
         for qt_index in range(unit, partner + 1, _max(partner - unit, 1)):
             i0 = qt_index * bq
             nq = _min(bq, q_len - i0)
-            rows = group * nq
-            acc = acc_all[:rows]
+            rows = group * nq  # a head's rows
+            span = heads * rows  # every head's (head h's: from row h * rows; a row's head is row // nq)
+            acc = acc_all[:span]
             # Each query's key interval; their union bounds the tiles loaded.
             t_lo, t_hi = k_stop, k_start - 1
             for i in range(nq):
@@ -227,7 +232,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                 t_hi = _max(t_hi, _min(hi[i], k_stop - 1))
             if paged:  # tiles from a multiple of bk, which divides the page: none crosses a page
                 t_lo = _max(t_lo - t_lo % bk, k_start)  # (the keys before lo are masked)
-            for r in range(rows):
+            for r in range(span):
                 m[r] = -np.inf
                 l[r] = 0.0
                 bad[r] = 0
@@ -235,10 +240,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     acc[r, d] = 0.0
 
             if t_lo <= t_hi:
-                qt = _as_rows(qbuf[:rows * d_k], d_k)
-                for g in range(group):
-                    base = (seq_desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B] + (hk * group + g) * desc[T_Q, STRIDE_H]
-                            + i0 * desc[T_Q, STRIDE_S])
+                qt = _as_rows(qbuf[:span * d_k], d_k)
+                for g in range(heads * group):
+                    base = (seq_desc[T_Q, BASE] + b * desc[T_Q, STRIDE_B]
+                            + (first_head * group + g) * desc[T_Q, STRIDE_H] + i0 * desc[T_Q, STRIDE_S])
                     if q_code == acc_code:  # copied here: no widening function to compile
                         for i in range(nq):
                             at = np.uint64(base + i * desc[T_Q, STRIDE_S])
@@ -247,13 +252,13 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     else:
                         failures += _widen_rows_of(loops, qt, g * nq, nq, d_k, q, q_code, base,
                                                    desc[T_Q, STRIDE_S], desc[T_Q, STRIDE_D], table, formats)
-                for r in range(rows):
+                for r in range(span):
                     for d in range(d_k):
                         qt[r, d] *= q_scale
                 mask_base = -1
-                if has_mask:
+                if has_mask:  # (the first head's: a row's head is its row // nq)
                     mask_base = (desc[T_MASK, BASE] + b * desc[T_MASK, STRIDE_B]
-                                 + hk * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
+                                 + first_head * group * desc[T_MASK, STRIDE_H] + i0 * desc[T_MASK, STRIDE_S])
                 use_gemm = rows >= ints[GEMM_ROWS]
                 # Two segments: past keys, then new keys (a tile never straddles them).
                 for seg in range(2):
@@ -264,9 +269,10 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         kv_b, kv_j = b, j0 - shift
                         if paged:  # the tile lies in one page: key j is row j % page of its page
                             kv_b, kv_j = ints[ints[PAGES] + b * ints[PAGES_PER_ROW] + j0 // page], j0 % page
-                        s = _as_rows(sbuf[:rows * n], n)
+                        s = _as_rows(sbuf[:span * n], n)
                         kr, ko, kld, kcode, k_in_place, failed = _kv_tile(
-                            kbuf, ktile, kv_j, n, d_k, kv_b, hk, kb, seq_desc, tk, table, formats, loops, acc_code)
+                            kbuf, ktile, kv_j, n, d_k, kv_b, first_head, kb, seq_desc, tk, table, formats, loops,
+                            acc_code)
                         # Some key of the tile is masked for some row: 1, or 2 where only
                         # keys past some rows' last (causal, valid lengths) are.
                         front, back = has_mask, False
@@ -274,18 +280,21 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                             front |= lo[i] > j0
                             back |= hi[i] < j0 + n - 1
                         edge = 1 if front else 2 if back else 0
-                        # s = Q K^T: the matrix product for many rows, else the loops of K's format.
+                        # s = Q K^T: the matrix product for many rows, else the loops of K's format
+                        # (for every head of the item at once: a key row's heads read together).
                         failures += failed + _run(
-                            loops[acc_code, GEMM_SCORES] if use_gemm else loops[kcode, SCORES],
-                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, kt, hi, nq, j0, edge, 0))
-                        failures += _run(  # softmax._softmax_tile
+                            loops[acc_code, GEMM_SCORES] if use_gemm else loops[kcode, scores],
+                            (qt, s, kr, ko, kld, rows, n, d_k, k_in_place, kt, hi, nq, j0, edge, 0, heads,
+                             desc[tk, STRIDE_H]))
+                        failures += _run(  # softmax._softmax_tile (a row's head: its row // nq)
                             loops[acc_code, GEMM_SOFTMAX if use_gemm else SOFTMAX],
-                            (s, lo, hi, mask, m, l, alpha, bad, rows, n, nq, j0, edge, mask_base,
+                            (s, lo, hi, mask, m, l, alpha, bad, span, n, nq, j0, edge, mask_base,
                              desc[T_MASK, STRIDE_S], desc[T_MASK, STRIDE_D], desc[T_MASK, STRIDE_H], softcap,
                              score_scale))
                         vr, vo, vld, vcode, v_in_place, failed = _kv_tile(
-                            vbuf, vtile, kv_j, n, d_v, kv_b, hk, vb, seq_desc, tv, table, formats, loops, acc_code)
-                        for r in range(rows):
+                            vbuf, vtile, kv_j, n, d_v, kv_b, first_head, vb, seq_desc, tv, table, formats, loops,
+                            acc_code)
+                        for r in range(span):
                             a = alpha[r]
                             if a != 1.0:
                                 for d in range(d_v):
@@ -293,13 +302,13 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                         # acc += P V: the product (which hands a tile whose masked keys' V is not
                         # finite to the loops), else the loops of V's format.
                         failures += failed + _run(
-                            loops[acc_code, GEMM_VALUES] if use_gemm else loops[vcode, VALUES],
+                            loops[acc_code, GEMM_VALUES] if use_gemm else loops[vcode, values],
                             (s, acc, vr, vo, vld, rows, n, d_v, v_in_place, kt, hi, nq, j0, edge,
-                             loops[acc_code, VALUES]))
+                             loops[acc_code, VALUES], heads, desc[tv, STRIDE_H]))
 
             chunks = 0  # unsplit: Y's rows from acc and l
             if split:
-                for r in range(rows):
+                for r in range(span):
                     part_m[work, r] = np.nan if bad[r] else m[r]
                     part_l[work, r] = l[r]
                     for d in range(d_v):
@@ -308,7 +317,7 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
                     continue
                 chunks = n_ch  # the last to finish: Y's rows from every chunk's partial softmax
             failures += _run(loops[acc_code, FINISH], (y, ints, seq_desc, floats, acc, m, l, bad, part_m, part_l,
-                                                       part_acc, b, hk, qt_index, rows, item * n_ch, chunks))
+                                                       part_acc, b, first_head, qt_index, span, item * n_ch, chunks))
     pool_exit(ctrl, role)
     if failures:
         raise RuntimeError(LOOP_FAILED)

@@ -414,9 +414,74 @@ def _score_keys_avx2(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code):
                   _key_offsets(at, ld, j, n - 1, 8), d_k, code, ahead)
 
 
+@jit(inline=True)
+def _score_keys_heads_wide(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code, heads, hld):
+    """``_score_keys_wide``'s scores for ``heads`` kv heads at once, ``hld``
+    elements apart in a key's row (token-major keys): head ``h``'s rows
+    follow head ``h - 1``'s in ``qf`` and ``sf``, and each pass of keys
+    takes every head's before the next, so a key row's heads are read
+    together (the same sums: the same bits as a head at a time)."""
+    at, ld, width, stride, h_ld = np.uint64(ko), np.uint64(kld), np.uint64(d_k), np.uint64(n), np.uint64(hld)
+    ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
+    for j in range(0, n, 4):
+        count, s0 = _min(4, n - j), np.uint64(j)
+        for h in range(heads):
+            k_at = _key_offsets(at + np.uint64(h) * h_ld, ld, j, n - 1, 4)
+            r, end = h * rows, (h + 1) * rows
+            while r + 4 <= end:
+                q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                        np.uint64(r + 3) * width)
+                s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride, s0 + np.uint64(r + 2) * stride,
+                        s0 + np.uint64(r + 3) * stride)
+                _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
+                r += 4
+            if r + 2 <= end:
+                q_at = (np.uint64(r) * width, np.uint64(r + 1) * width)
+                _dots(sf, (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride), count, qf, q_at, kb, k_at,
+                      d_k, code, ahead)
+                r += 2
+            if r < end:
+                _dots(sf, (s0 + np.uint64(r) * stride,), count, qf, (np.uint64(r) * width,), kb, k_at, d_k, code,
+                      ahead)
+
+
+@jit(inline=True)
+def _score_keys_heads_avx2(qf, sf, kb, ko, kld, rows, n, d_k, prefetch, code, heads, hld):
+    """``_score_keys_heads_wide``'s, in ``_score_keys_avx2``'s passes."""
+    at, ld, width, stride, h_ld = np.uint64(ko), np.uint64(kld), np.uint64(d_k), np.uint64(n), np.uint64(hld)
+    ahead = np.uint64(PREFETCH_KEYS) * ld if prefetch else np.uint64(0)
+    fours = rows - rows % 4
+    if fours:
+        for j in range(0, n, 2):
+            count, s0 = _min(2, n - j), np.uint64(j)
+            for h in range(heads):
+                k_at = _key_offsets(at + np.uint64(h) * h_ld, ld, j, n - 1, 2)
+                for r in range(h * rows, h * rows + fours, 4):
+                    q_at = (np.uint64(r) * width, np.uint64(r + 1) * width, np.uint64(r + 2) * width,
+                            np.uint64(r + 3) * width)
+                    s_at = (s0 + np.uint64(r) * stride, s0 + np.uint64(r + 1) * stride,
+                            s0 + np.uint64(r + 2) * stride, s0 + np.uint64(r + 3) * stride)
+                    _dots(sf, s_at, count, qf, q_at, kb, k_at, d_k, code, ahead)
+    if rows % 4 >= 2:
+        for j in range(0, n, 4):
+            s0 = np.uint64(j)
+            for h in range(heads):
+                r = np.uint64(h * rows + fours)
+                _dots(sf, (s0 + r * stride, s0 + (r + np.uint64(1)) * stride), _min(4, n - j), qf,
+                      (r * width, (r + np.uint64(1)) * width), kb,
+                      _key_offsets(at + np.uint64(h) * h_ld, ld, j, n - 1, 4), d_k, code, ahead)
+    if rows % 2:
+        for j in range(0, n, 8):
+            for h in range(heads):
+                r = np.uint64((h + 1) * rows - 1)
+                _dots(sf, (np.uint64(j) + r * stride,), _min(8, n - j), qf, (r * width,), kb,
+                      _key_offsets(at + np.uint64(h) * h_ld, ld, j, n - 1, 8), d_k, code, ahead)
+
+
 # The scores of a tile (``_score_keys_wide``'s docstring), in the passes that
-# fit the CPU's registers.
+# fit the CPU's registers; of every kv head of an item at once.
 _score_keys = _score_keys_wide if DOT_KEYS == 4 else _score_keys_avx2
+_score_keys_heads = _score_keys_heads_wide if DOT_KEYS == 4 else _score_keys_heads_avx2
 
 
 def _key_offsets(at, ld, j, last_key, keys):
@@ -499,6 +564,43 @@ def _add_values(pf, accf, vb, vo, vld, rows, n, d_v, prefetch, code):
                 _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb, at + np.uint64(j) * ld, ld,
                       ahead if prefetch and r == 0 else np.uint64(0), stop - j, d_v, code)
             j = stop
+
+
+@jit(inline=True)
+def _add_values_heads(pf, accf, vb, vo, vld, rows, n, d_v, prefetch, code, heads, hld):
+    """``_add_values`` for ``heads`` kv heads at once, ``hld`` elements
+    apart in a value's row (token-major values): head ``h``'s rows follow
+    head ``h - 1``'s in ``pf`` and ``accf``; each run of keys of every head
+    in turn, so a value row's heads are read together (each element's FMA
+    chain as a head at a time: the same bits)."""
+    at, ld, stride, h_ld = np.uint64(vo), np.uint64(vld), np.uint64(n), np.uint64(hld)
+    ahead = np.uint64(PREFETCH_KEYS) * ld
+    zeros = 0
+    for t in range(heads * rows * n):
+        zeros += pf[t] == 0
+    rows4 = rows - rows % 4 if zeros == 0 else 0
+    run = AXPY_KEYS_LONG_FLOAT32 if code == F32 and d_v * 4 > AXPY_RUN_VECTORS * VECTOR_BYTES else AXPY_KEYS
+    for j in range(0, n, run):
+        for h in range(heads):
+            for r in range(h * rows, h * rows + rows4, 4):
+                block = (np.uint64(r * d_v), np.uint64((r + 1) * d_v), np.uint64((r + 2) * d_v),
+                         np.uint64((r + 3) * d_v))
+                w = np.uint64(r * n + j)
+                _axpy(accf, block, pf, (w, w + stride, w + stride + stride, w + stride + stride + stride), vb,
+                      at + np.uint64(h) * h_ld + np.uint64(j) * ld, ld,
+                      ahead if prefetch and r == h * rows else np.uint64(0), _min(run, n - j), d_v, code)
+    for h in range(heads):
+        for r in range(h * rows + rows4, (h + 1) * rows):
+            j = 0
+            while j < n:
+                stop = j + 1
+                if not _masked(pf[r * n + j]):
+                    while stop < _min(j + run, n) and not _masked(pf[r * n + stop]):
+                        stop += 1
+                    _axpy(accf, (np.uint64(r * d_v),), pf, (np.uint64(r * n + j),), vb,
+                          at + np.uint64(h) * h_ld + np.uint64(j) * ld, ld,
+                          ahead if prefetch and r == h * rows else np.uint64(0), stop - j, d_v, code)
+                j = stop
 
 
 @jit(inline=True)

@@ -16,12 +16,15 @@ INT_FIELDS = (
     "batch", "q_heads", "kv_heads", "q_len", "total", "past", "head_size", "v_head_size",
     "causal", "left", "right", "has_mask",
     "block_q", "block_k", "n_q_tiles", "n_units", "chunk", "n_chunks", "gemm_rows",
-    "sequences", "page_size", "pages", "pages_per_row",
+    "sequences", "page_size", "pages", "pages_per_row", "heads_per_item",
 )
 (BATCH, Q_HEADS, KV_HEADS, Q_LEN, TOTAL, PAST, HEAD_SIZE, V_HEAD_SIZE,
  CAUSAL, LEFT, RIGHT, HAS_MASK,
  BLOCK_Q, BLOCK_K, N_Q_TILES, N_UNITS, CHUNK, N_CHUNKS, GEMM_ROWS,
- SEQUENCES, PAGE_SIZE, PAGES, PAGES_PER_ROW) = range(len(INT_FIELDS))
+ SEQUENCES, PAGE_SIZE, PAGES, PAGES_PER_ROW, HEADS_PER_ITEM) = range(len(INT_FIELDS))
+# ``heads_per_item``: the kv heads a work item covers, 1 or all of them (keys
+# that lie token-major, read in place by decode's loops, which take a key's
+# row for every head at once: ``decode_loops._score_keys``).
 # Packed sequences (``numkv.varlen_attention``, ``numkv.paged_attention``):
 # batch row ``b`` is sequence ``b``, whose first query row, query count and
 # first key row are ``ints[ints[SEQUENCES] + SEQUENCE_FIELDS * b + ...]``
@@ -96,7 +99,11 @@ del _code, _row
 # ``gemm_values``) and the softmax of a tile of scores, for the loops and
 # for those products (``softmax``, ``gemm_softmax``), and the output rows
 # ``y = acc / l``, after merging a split key range's partial softmaxes
-# (``finish``); 0 where not compiled (never called).
-LOOP_FIELDS = ("scores", "values", "widen", "gemm_scores", "gemm_values", "softmax", "gemm_softmax", "finish")
-SCORES, VALUES, WIDEN, GEMM_SCORES, GEMM_VALUES, SOFTMAX, GEMM_SOFTMAX, FINISH = range(len(LOOP_FIELDS))
+# (``finish``); decode's loops over every kv head of an item at once
+# (``heads_scores``, ``heads_values``: ``HEADS_PER_ITEM``); 0 where not
+# compiled (never called).
+LOOP_FIELDS = ("scores", "values", "widen", "gemm_scores", "gemm_values", "softmax", "gemm_softmax", "finish",
+               "heads_scores", "heads_values")
+(SCORES, VALUES, WIDEN, GEMM_SCORES, GEMM_VALUES, SOFTMAX, GEMM_SOFTMAX, FINISH,
+ HEADS_SCORES, HEADS_VALUES) = range(len(LOOP_FIELDS))
 N_CODES = len(DTYPE_CODES) + len(QUANT_FORMATS)

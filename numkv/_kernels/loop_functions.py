@@ -29,11 +29,12 @@ import numpy as np
 from numba import types
 
 from .._config import c_function, jit
-from .decode_loops import _add_values, _score_keys
+from .decode_loops import _add_values, _add_values_heads, _score_keys, _score_keys_heads
 from .gemm import _gemm_accumulate, _gemm_scores
 from .layout import (BF16, BLOCK_Q, E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, F16, F32, F64, FINISH, FORMAT_FIELDS,
-                     GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, KV_HEADS, LOOP_FIELDS, N_CODES, Q_HEADS, SCORES, SOFTMAX,
-                     TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
+                     GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, HEADS_PER_ITEM, HEADS_SCORES, HEADS_VALUES, KV_HEADS,
+                     LOOP_FIELDS, N_CODES,
+                     Q_HEADS, SCORES, SOFTMAX, TENSOR_FIELDS, V_HEAD_SIZE, VALUES, WIDEN)
 from .simd import _array, _as_rows, _full_width_loops, _max, _min, _run, _view
 from .softmax import _merge_chunks, _softmax_tile, _write_rows
 from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _rows_e5m2, _rows_e8m0,
@@ -44,7 +45,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "008edc89374c2b4304606c4b83fe36f3e44b03f833181192bbdaab8cc467506e"
+HELPERS_SHA256 = "56138ae7463a729e152116f4f8d807e3d78cb0769ea0928c40d3a316f8bfcee1"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -55,14 +56,14 @@ _tables = {}  # loop_table's keys whose functions are compiled
 _lock = threading.Lock()
 
 
-def loop_table(acc, q_code, kv, gemm):
+def loop_table(acc, q_code, kv, gemm, heads=False):
     """``TABLES[acc]`` with every function a call may make compiled
     (``addresses``), for its Q's dtype code, ``(dtype code, read in place)``
-    of each K / V tensor that has keys (``kv``, a tuple; ``read_in_place``)
-    and whether its tiles take the matrix products; remembered per layout,
-    so a call whose plan is not kept pays one lookup (computing it cost 1.8
-    us)."""
-    key = (acc, q_code, kv, gemm)
+    of each K / V tensor that has keys (``kv``, a tuple; ``read_in_place``),
+    whether its tiles take the matrix products and whether its items take
+    every kv head (``heads``); remembered per layout, so a call whose plan
+    is not kept pays one lookup (computing it cost 1.8 us)."""
+    key = (acc, q_code, kv, gemm, heads)
     table = _tables.get(key)
     if table is None:
         acc_code = F64 if acc else F32
@@ -70,25 +71,27 @@ def loop_table(acc, q_code, kv, gemm):
         widened = {code for code, in_place in kv if not in_place}
         if q_code != acc_code:  # (the kernel copies Q of the accumulation dtype)
             widened.add(q_code)
-        table = addresses(acc, sorted(read), sorted(widened), gemm)
+        table = addresses(acc, sorted(read), sorted(widened), gemm, heads)
         if len(_tables) >= 1024:
             _tables.clear()
         _tables[key] = table
     return table
 
 
-def addresses(acc, read, widened, gemm):
+def addresses(acc, read, widened, gemm, heads=False):
     """``TABLES[acc]``, with every C function a call of accumulation dtype
     ``acc`` (0: float32, 1: float64) may make compiled: from numba's disk
     cache, else now (~0.2-0.8 s each, CPU).  The softmax, the output rows
     and decode's loops for rows of the accumulation dtype, and the loops of
-    the dtype codes ``read`` in place; the widening of the dtype codes
-    ``widened``; the matrix products and their softmax where ``gemm`` (the
-    call's tiles have enough query rows).  Two threads may compile at once:
+    the dtype codes ``read`` in place (and over every kv head at once, where
+    ``heads``); the widening of the dtype codes ``widened``; the matrix
+    products and their softmax where ``gemm`` (the call's tiles have enough
+    query rows).  Two threads may compile at once:
     each entry is written whole, under a lock."""
     acc_code = F64 if acc else F32
     wanted = [(code, WIDEN) for code in widened] + [(acc_code, field) for field in (SOFTMAX, SCORES, VALUES, FINISH)]
-    wanted += [(code, field) for code in read for field in (SCORES, VALUES)]
+    products = (HEADS_SCORES, HEADS_VALUES) if heads else (SCORES, VALUES)
+    wanted += [(code, field) for code in read for field in products]
     if gemm:
         wanted += [(acc_code, GEMM_SCORES), (acc_code, GEMM_VALUES), (acc_code, GEMM_SOFTMAX)]
     table = TABLES[acc]
@@ -123,13 +126,15 @@ def _compile(acc, code, field):
     # (the cache itself), scratch for K transposed (the tile products'),
     # each query's last key, the queries, the tile's first key, whether some
     # key of the tile is masked (``edge``: 1, or 2 where only keys past some
-    # rows' last are), and the loops' C function of the accumulation dtype.
+    # rows' last are), the loops' C function of the accumulation dtype, and
+    # the kv heads the loops take at once and how many elements apart they
+    # lie in a key's row (decode's loops: ``decode_loops._score_keys``).
     PRODUCT_ARGS = (rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, *[i64] * 6, rows_ptr, i64,  # noqa: N806
-                    types.CPointer(i64), i64, i64, i64, i64, i64)
+                    types.CPointer(i64), i64, i64, i64, i64, i64, i64, i64)
     if field == SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
         def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
-                   scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+                   scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
             _full_width_loops()
             _score_keys(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
                         prefetch != 0, code)
@@ -138,16 +143,37 @@ def _compile(acc, code, field):
     if field == VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
         def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
-                   scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+                   scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
             _full_width_loops()
             _add_values(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
                         prefetch != 0, code)
             return 1
         return values
+    # Decode's loops over every kv head of an item at once (``HEADS_PER_ITEM``),
+    # compiled for the calls that take them (``_attention._heads_per_item``):
+    # their own functions, so that a call a head at a time compiles none of it.
+    if field == HEADS_SCORES:
+        @c_function(types.int64(*PRODUCT_ARGS))
+        def heads_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
+                         scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
+            _full_width_loops()
+            _score_keys_heads(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
+                              prefetch != 0, code, heads, hld)
+            return 1
+        return heads_scores
+    if field == HEADS_VALUES:
+        @c_function(types.int64(*PRODUCT_ARGS))
+        def heads_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
+                         scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
+            _full_width_loops()
+            _add_values_heads(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
+                              prefetch != 0, code, heads, hld)
+            return 1
+        return heads_values
     if field == GEMM_SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
         def gemm_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
-                        scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+                        scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
             _full_width_loops()
             queries = _array(q, q_size)
             _gemm_scores(queries, _view(_array(k, k_size), queries), ko, kld, _array(s, s_size), rows, n, d_k,
@@ -157,7 +183,7 @@ def _compile(acc, code, field):
     if field == GEMM_VALUES:
         @c_function(types.int64(*PRODUCT_ARGS))
         def gemm_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
-                        scratch, scratch_size, hi, hi_size, nq, j0, edge, loop):
+                        scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
             _full_width_loops()
             weights, sums, raw = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
             values = _view(raw, weights)
@@ -168,7 +194,8 @@ def _compile(acc, code, field):
             first = _first_masked(_array(hi, hi_size), nq, j0, n) if edge == 2 else 0
             if edge and not _all_finite(values, vo + first * vld, vld, n - first, d_v):
                 return 1 - _run(loop, (weights, sums, raw, vo, vld, rows, n, d_v, prefetch,
-                                       _array(scratch, scratch_size), _array(hi, hi_size), nq, j0, edge, loop))
+                                       _array(scratch, scratch_size), _array(hi, hi_size), nq, j0, edge, loop,
+                                       heads, hld))
             _gemm_accumulate(weights, values, vo, vld, sums, rows, n, d_v, _array(hi, hi_size), nq, j0)
             return 1
         return gemm_values
@@ -201,7 +228,8 @@ def _compile(acc, code, field):
                    qt_index, rows, at, chunks):
             _full_width_loops()
             layout = _array(ints, ints_size)
-            d_v, rows_max = layout[V_HEAD_SIZE], layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
+            d_v = layout[V_HEAD_SIZE]
+            rows_max = layout[HEADS_PER_ITEM] * layout[Q_HEADS] // layout[KV_HEADS] * layout[BLOCK_Q]
             tile, sums, nan = _as_rows(_array(acc, acc_size), d_v), _array(l, l_size), _array(bad, bad_size)
             maxima = _array(m, m_size)
             if chunks:

@@ -19,8 +19,8 @@ from numba import types
 from numba.extending import overload
 
 from .._config import jit
-from .layout import (BASE, BLOCK_Q, FLOAT_FIELDS, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H, STRIDE_S, T_Y,
-                     V_HEAD_SIZE)
+from .layout import (BASE, BLOCK_Q, FLOAT_FIELDS, HEADS_PER_ITEM, KV_HEADS, Q_HEADS, STRIDE_B, STRIDE_D, STRIDE_H,
+                     STRIDE_S, T_Y, V_HEAD_SIZE)
 from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximum, _min, _row_max, _row_sum
 
 # sha256 of the sources of the modules this one compiles into its kernels
@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "35c50dfa32fb312383bed9ca95413243bd44465ed6d93402dbfade100ed4b2fb"
+HELPERS_SHA256 = "ed2f77c280eab1760f22a0c6f00d4f580c3b87edbfc62bf7c95b49017bbcd0b2"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its
@@ -131,7 +131,8 @@ def _merge_chunks(part_m, part_l, part_acc, width, at, chunks, rows, acc, m, l, 
 def _write_rows(y, ints, desc, floats, b, hk, qt_index, rows, acc, m, l, bad):
     """``y = acc / l`` for the tile's rows: zeros where ``l == 0`` (nothing
     attended), NaN where a NaN or +inf entered an attended score: rows ``g *
-    nq + i`` of query tile ``qt_index`` of kv head ``hk``, batch row ``b``,
+    nq + i`` of query tile ``qt_index`` of kv head ``hk`` (and the next
+    ``HEADS_PER_ITEM - 1``: query head ``hk * group + g``), batch row ``b``,
     in the output ``y`` that ``desc``'s row ``T_Y`` lays out.
 
     With sinks (``floats`` longer than ``SINKS``), head ``h``'s sink ``s`` is one more
@@ -140,7 +141,7 @@ def _write_rows(y, ints, desc, floats, b, hk, qt_index, rows, acc, m, l, bad):
     it); where ``s > m``, relative to ``s`` so nothing overflows: ``y = acc
     e^(m - s) / (l e^(m - s) + 1)``."""
     group = ints[Q_HEADS] // ints[KV_HEADS]
-    nq = rows // group
+    nq = rows // (group * ints[HEADS_PER_ITEM])
     i0 = qt_index * ints[BLOCK_Q]
     d_v, step = ints[V_HEAD_SIZE], np.uint64(desc[T_Y, STRIDE_D])
     sinks = floats.size > SINKS
