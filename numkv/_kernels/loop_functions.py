@@ -131,45 +131,35 @@ def _compile(acc, code, field):
     # lie in a key's row (decode's loops: ``decode_loops._score_keys``).
     PRODUCT_ARGS = (rows_ptr, i64, rows_ptr, i64, bytes_ptr, i64, *[i64] * 6, rows_ptr, i64,  # noqa: N806
                     types.CPointer(i64), i64, i64, i64, i64, i64, i64, i64)
-    if field == SCORES:
+    # Decode's loops, a kv head at a time or every kv head of an item at once
+    # (``HEADS_PER_ITEM``): functions of their own, compiled for the calls that
+    # take them (``_attention._heads_per_item``; numba prunes the branch not
+    # taken, ``every_head`` being a constant here).
+    every_head = field in (HEADS_SCORES, HEADS_VALUES)
+    if field in (SCORES, HEADS_SCORES):
         @c_function(types.int64(*PRODUCT_ARGS))
         def scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
                    scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
             _full_width_loops()
-            _score_keys(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
-                        prefetch != 0, code)
+            qf, sf, kf = _array(q, q_size), _array(s, s_size), _array(k, k_size)
+            if every_head:
+                _score_keys_heads(qf, sf, kf, ko, kld, rows, n, d_k, prefetch != 0, code, heads, hld)
+            else:
+                _score_keys(qf, sf, kf, ko, kld, rows, n, d_k, prefetch != 0, code)
             return 1
         return scores
-    if field == VALUES:
+    if field in (VALUES, HEADS_VALUES):
         @c_function(types.int64(*PRODUCT_ARGS))
         def values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
                    scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
             _full_width_loops()
-            _add_values(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
-                        prefetch != 0, code)
+            pf, accf, vf = _array(p, p_size), _array(acc, acc_size), _array(v, v_size)
+            if every_head:
+                _add_values_heads(pf, accf, vf, vo, vld, rows, n, d_v, prefetch != 0, code, heads, hld)
+            else:
+                _add_values(pf, accf, vf, vo, vld, rows, n, d_v, prefetch != 0, code)
             return 1
         return values
-    # Decode's loops over every kv head of an item at once (``HEADS_PER_ITEM``),
-    # compiled for the calls that take them (``_attention._heads_per_item``):
-    # their own functions, so that a call a head at a time compiles none of it.
-    if field == HEADS_SCORES:
-        @c_function(types.int64(*PRODUCT_ARGS))
-        def heads_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
-                         scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
-            _full_width_loops()
-            _score_keys_heads(_array(q, q_size), _array(s, s_size), _array(k, k_size), ko, kld, rows, n, d_k,
-                              prefetch != 0, code, heads, hld)
-            return 1
-        return heads_scores
-    if field == HEADS_VALUES:
-        @c_function(types.int64(*PRODUCT_ARGS))
-        def heads_values(p, p_size, acc, acc_size, v, v_size, vo, vld, rows, n, d_v, prefetch,
-                         scratch, scratch_size, hi, hi_size, nq, j0, edge, loop, heads, hld):
-            _full_width_loops()
-            _add_values_heads(_array(p, p_size), _array(acc, acc_size), _array(v, v_size), vo, vld, rows, n, d_v,
-                              prefetch != 0, code, heads, hld)
-            return 1
-        return heads_values
     if field == GEMM_SCORES:
         @c_function(types.int64(*PRODUCT_ARGS))
         def gemm_scores(q, q_size, s, s_size, k, k_size, ko, kld, rows, n, d_k, prefetch,
