@@ -137,7 +137,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "74d49b15072de55d0e11eba3a763bcaf9834a83a625e791ee6f9e60d781bbd38"
+HELPERS_SHA256 = "86b6f02979e3f1bfc9679a6262a16271eb2808dc74a85609b5936e1fd5d084ab"
 
 
 # -- work items --------------------------------------------------------------------------

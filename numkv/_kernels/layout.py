@@ -24,7 +24,7 @@ INT_FIELDS = (
  SEQUENCES, PAGE_SIZE, PAGES, PAGES_PER_ROW, HEADS_PER_ITEM) = range(len(INT_FIELDS))
 # ``heads_per_item``: the kv heads a work item covers, 1 or all of them (keys
 # that lie token-major, read in place by decode's loops, which take a key's
-# row for every head at once: ``decode_loops._score_keys``).
+# row for every head at once: ``decode_loops._score_keys_heads``).
 # Packed sequences (``numkv.varlen_attention``, ``numkv.paged_attention``):
 # batch row ``b`` is sequence ``b``, whose first query row, query count and
 # first key row are ``ints[ints[SEQUENCES] + SEQUENCE_FIELDS * b + ...]``
