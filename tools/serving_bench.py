@@ -14,18 +14,24 @@ that every mode generates the same tokens as sdpa's ``generate_batch``.
 
 ``--concurrency N`` caps the requests a continuous batch holds at once
 (``ContinuousBatchingConfig.max_requests_per_batch``); one-by-one modes ignore it.
+``--modes floor-batch floor-one-by-one``: numkv's modes with every attention
+call answered by zeros of its shape, the model's other work unchanged (its
+tokens differ): what a mode would take if attention cost nothing, the floor
+below which no attention can bring it.
 ``--cache-tokens N`` gives every ``generate_batch`` (sdpa's too) a paged cache of
 N tokens; without it numkv's gets ``numkv.transformers.continuous_batching``'s
 default and sdpa's transformers' own (90% of the free memory, zeroed per call).
 """
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
 import time
 
 MODES = ("sdpa-batch", "numkv-batch", "sdpa-one-by-one", "numkv-one-by-one")
+FLOOR_MODES = ("floor-batch", "floor-one-by-one")  # numkv's modes with attention returning zeros
 PROMPTS = (256, 512, 768, 1024, 1280, 1408, 1024, 2048)  # 8,320 tokens
 
 
@@ -74,13 +80,30 @@ def run_one_by_one(model, prompts, new):
     return elapsed, tokens
 
 
+@contextlib.contextmanager
+def attention_free(numkv):
+    """numkv's attention and varlen_attention answer zeros of their output's
+    shape (Q's, with V's head size) for as long as the block runs."""
+    import numpy as np
+
+    def zeros(q, k, v, *args, **kwargs):
+        return np.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
+
+    saved = numkv.attention, numkv.varlen_attention
+    numkv.attention = numkv.varlen_attention = zeros
+    try:
+        yield
+    finally:
+        numkv.attention, numkv.varlen_attention = saved
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES + FLOOR_MODES, default=list(MODES))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[0],
                         help="requests a continuous batch holds at once (0: transformers' default)")
     parser.add_argument("--cache-tokens", type=int, default=0,
@@ -124,13 +147,16 @@ def main(argv=None):
         impl = "sdpa" if mode.startswith("sdpa") else name
         for concurrency in (args.concurrency if mode.endswith("batch") else [0]):
             m = model(impl)
-            if mode.endswith("batch"):
-                elapsed, tokens = run_batch(m, prompts, new, concurrency, args.cache_tokens)
-            else:
-                elapsed, tokens = run_one_by_one(m, prompts, new)
+            with attention_free(numkv) if mode in FLOOR_MODES else contextlib.nullcontext():
+                if mode.endswith("batch"):
+                    elapsed, tokens = run_batch(m, prompts, new, concurrency, args.cache_tokens)
+                else:
+                    elapsed, tokens = run_one_by_one(m, prompts, new)
             if mode == "sdpa-batch" and reference is None:
                 reference = tokens
             same = "" if reference is None else ("same tokens" if tokens == reference else "TOKENS DIFFER")
+            if mode in FLOOR_MODES:
+                same = "(attention answered zeros)"
             label = f"{mode}" + (f" (concurrency {concurrency})" if concurrency else "")
             rows.append((label, elapsed, len(prompts) / elapsed, len(prompts) * new / elapsed, same))
             print(f"{label}: {elapsed:.2f} s {same}", flush=True)
