@@ -167,10 +167,11 @@ def flat_view(arr, dtype):
     flags = arr.flags
     if flags.c_contiguous and flags.writeable and arr.dtype == dtype:  # the common case, cheapest
         return arr.reshape(-1), 0, strides
-    if min(strides) > 0 and arr.flags.writeable:  # (a read-only view is another numba type)
+    if flags.writeable and all(s > 0 or n == 1 for s, n in zip(strides, arr.shape)):  # (read-only: another numba type)
         # A permutation of a C-contiguous block (3-D inputs seen as 4-D, K/V
-        # transposes): un-permute, and ravel is a view.  ~4x cheaper than
-        # building the view from the address, and calls are small in decode.
+        # transposes; a size-1 axis's stride, 0 for a new axis, is never
+        # used): un-permute, and ravel is a view.  ~4x cheaper than building
+        # the view from the address, and calls are small in decode.
         dense = arr.transpose(sorted(range(arr.ndim), key=strides.__getitem__, reverse=True))
         if dense.flags.c_contiguous:
             return dense.ravel().view(dtype), 0, strides

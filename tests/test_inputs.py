@@ -24,9 +24,12 @@ import tokenize
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import numkv
 import oracle
+from numkv._dtypes import byte_operand
 
 INT64_MAX = 2**63 - 1
 
@@ -384,3 +387,24 @@ def test_batch_zero_accepts_empty_lists():
     assert numkv.tensor_scatter(cache, np.zeros((0, 2, 1, 3), np.float32), []).shape == cache.shape
     q = np.zeros((0, 2, 1, 4), np.float32)
     assert numkv.attention(q, q, q, nonpad_kv_seqlen=[]).shape == (0, 2, 1, 4)
+
+
+@given(st.data())
+def test_flat_views_address_every_element(data):
+    """``byte_operand`` / ``flat_view`` (the kernels' view of an input):
+    ``flat[base + sum(idx * strides)]`` is ``arr[idx]`` for slices, axis
+    permutations, new axes (stride 0), reversed axes and size-1 axes."""
+    shape = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    arr = np.arange(int(np.prod(shape)) * 2, dtype=np.float32)[::data.draw(st.sampled_from([1, 2]))]
+    arr = arr[:int(np.prod(shape))].reshape(shape)
+    arr = arr.transpose(data.draw(st.permutations(range(arr.ndim))))
+    for axis in range(arr.ndim):
+        arr = arr[(slice(None),) * axis + (data.draw(st.sampled_from([slice(None), slice(None, None, -1),
+                                                                       slice(1, None)])),)]
+    if data.draw(st.booleans()):
+        arr = arr[None]
+    flat, base, strides = byte_operand(arr)
+    if arr.size:
+        items = flat.view(np.float32)
+        index = np.indices(arr.shape).reshape(arr.ndim, -1)
+        np.testing.assert_array_equal(items[base + (index * np.array(strides)[:, None]).sum(0)], arr.reshape(-1))
