@@ -17,8 +17,8 @@ import numpy as np
 
 from . import _config
 from ._runtime import pool, thread_count
-from ._dtypes import (NO_BYTES, byte_operand, e8m0_table, flat_view, is_attention_dtype, is_float8_dtype,
-                      is_integer_dtype, is_mask_dtype, kernel_dtype_codes)
+from ._dtypes import (NO_BYTES, block_bytes, byte_operand, e8m0_table, flat_view, is_attention_dtype,
+                      is_float8_dtype, is_integer_dtype, is_mask_dtype, kernel_dtype_codes)
 from ._formats import FORMATS as _QUANT_FORMATS
 from ._quantize import (QuantizedArray, check_attention_operand, check_same_scales, folded_query, kernel_array,
                         kind, output_scale)
@@ -220,6 +220,11 @@ def _int8_query(Q, K, past_key, qk_precision):
 # tunables are not (tests pass tile sizes to ``run``, or empty ``_plans``
 # after changing one).
 _plans = {}
+# Packed sequences (``numkv.varlen_attention``, ``paged_attention``) keep
+# their ``_Layout`` instead: their sequences' tables and key counts change
+# from call to call (each decode step), their layout does not.  The key:
+# ``numkv._varlen``'s ``_layout_key``.
+_layouts = {}
 # Attribute types a signature may hold: immutable, hashed by value.
 _PLAIN = frozenset([type(None), bool, int, float, np.bool_, np.int32, np.int64, np.float32, np.float64])
 
@@ -246,14 +251,15 @@ def _signature(Q, K, V, attributes, sinks=None):
             _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS, _config.CLAIM_ITEMS)
 
 
-def _keep(key, plan):
-    """Keep ``plan``, dropping the oldest beyond ``PLANS_KEPT``.  No lock
-    (a fork could inherit it held): each dict operation is atomic, and a
-    race only drops a plan too many or too few."""
-    _plans[key] = plan
-    while len(_plans) > _config.PLANS_KEPT:
+def _keep(kept, key, plan):
+    """Keep ``plan`` in ``kept`` (``_plans``, or a ``_Layout`` in ``_layouts``), dropping the oldest
+    beyond ``PLANS_KEPT``.  No lock (a fork could inherit it held): each
+    dict operation is atomic, and a race only drops a plan too many or too
+    few."""
+    kept[key] = plan
+    while len(kept) > _config.PLANS_KEPT:
         try:
-            del _plans[next(iter(_plans))]
+            del kept[next(iter(kept))]
         except (KeyError, RuntimeError, StopIteration):  # another thread got there first
             break
 
@@ -337,10 +343,12 @@ def _to_float16(y):
     return out
 
 
-def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=None):
+def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=None, layout_key=None):
     """Run the kernel on a prepared call, and keep its plan under ``key``
-    (see ``_plans``).  Tests may force the tile sizes, the key chunk, and
-    the rows from which tiles take the matrix products (``gemm``)."""
+    (see ``_plans``) or, for packed sequences, its layout under
+    ``layout_key`` (see ``_layouts``).  Tests may force the tile sizes, the
+    key chunk, and the rows from which tiles take the matrix products
+    (``gemm``)."""
     y, y4 = call.new_output()
     if y.size == 0:
         return call.finish(y)
@@ -351,6 +359,90 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     if packed:  # a batch row a sequence, as many query rows as the longest
         queries = call.sequences[:, kernels.QUERIES]
         b, sq = len(queries), int(queries.max())
+    if layout_key is not None:
+        layout_key = layout_key, b, sq
+    layout = _layouts.get(layout_key) if layout_key is not None else None
+    if layout is None:
+        layout, inputs = _layout(call, y4, b, sq, block_q, block_k, gemm_rows)
+        if layout_key is not None and not layout.based:
+            _keep(_layouts, layout_key, layout)
+    else:  # the buffers alone: a kept layout's operands are whole C-contiguous blocks, no mask, no scale folded
+        inputs = [block_bytes(kernel_array(arr)) for arr in (call.q, call.past_k, call.k, call.past_v, call.v)]
+        inputs.append(_NO_MASK[call.acc_dtype.itemsize])
+    block_q, block_k, uses_gemm, n_q_tiles = layout.block_q, layout.block_k, layout.uses_gemm, layout.n_q_tiles
+    heads_per_item = layout.heads_per_item
+    pairs = int(queries @ call.valid) if packed else b * sq * total  # (query, key) pairs a query head
+    macs = hq * pairs * (d + dv)
+    threads = _useful_threads(macs)
+    if kv_chunk is None:
+        # Chunks exist to feed many threads; on one or two they add a merge
+        # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
+        # in 3 chunks).
+        kv_chunk = total if macs < _config.SPLIT_MACS else _kv_chunk(
+            b * hkv // heads_per_item * n_q_tiles, total, block_k,
+            _config.TARGET_GEMM_ITEMS if uses_gemm else _config.TARGET_ITEMS)
+    kv_chunk = max(1, min(kv_chunk, max(total, 1)))
+    if call.pages is not None:  # chunks start where tiles do
+        kv_chunk = -(-kv_chunk // block_k) * block_k
+    n_chunks = max(1, -(-total // kv_chunk))
+    # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
+    n_units = n_q_tiles if n_chunks > 1 else -(-n_q_tiles // 2)
+
+    ints = _fields(kernels.INT_FIELDS,
+                   batch=b, q_heads=hq, kv_heads=hkv, q_len=sq, total=total,
+                   past=call.past_k.shape[2], head_size=d, v_head_size=dv,
+                   causal=int(call.is_causal), left=call.left, right=call.right,
+                   has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
+                   n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
+                   gemm_rows=layout.gemm_rows, heads_per_item=heads_per_item,
+                   **_tables(call, len(kernels.INT_FIELDS)))
+    if packed:  # the sequences' table, then the pages' (``kernels.SEQUENCES``, ``kernels.PAGES``)
+        tables = [ints, call.sequences.ravel()] + ([] if call.pages is None else [call.pages.ravel()])
+        ints = np.concatenate(tables).astype(np.int64, copy=False)
+    plan = _Plan(
+        ints=ints,
+        desc=layout.desc,
+        floats=layout.floats,
+        offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
+        out_dtype=call.out_dtype, n_items=b * hkv // heads_per_item * n_units, n_chunks=n_chunks,
+        rows=heads_per_item * (hq // hkv) * block_q, v_head_size=dv,
+        threads=threads,
+        macs=macs,
+        y_scale=layout.y_scale, loops=layout.loops)
+    # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
+    if key is not None and not layout.based:
+        _keep(_plans, key, plan)
+    return plan.run(inputs[:5], inputs[5], y)
+
+
+@dataclass(slots=True)
+class _Layout:
+    """What ``run`` derives from a call's layout -- its operands' dtypes and
+    strides, its attributes, its batch rows and query rows -- but not from
+    its key counts: the tiles, the kernel's ``desc`` and ``floats`` rows,
+    the loops.  Packed sequences keep it (``_layouts``): a decode step's
+    sequences grow a key each and keep their layout."""
+
+    block_q: int
+    block_k: int
+    gemm_rows: int
+    uses_gemm: bool
+    n_q_tiles: int
+    heads_per_item: int
+    desc: np.ndarray
+    floats: np.ndarray
+    loops: np.ndarray
+    y_scale: np.ndarray  # an int8 / int4 V's scale for each query head and channel, or None
+    based: bool  # an operand starts past its buffer's start (a view into it): never kept
+
+
+def _layout(call, y4, b, sq, block_q, block_k, gemm_rows):
+    """``(layout, inputs)``: the call's ``_Layout``, and its operands' buffers
+    (Q, past K, K, past V, V, mask: ``TENSORS`` order)."""
+    kernels = _attention_kernels()
+    hq, d = call.q.shape[1], call.q.shape[3]
+    hkv, dv = call.k.shape[1], call.v.shape[3]
+    packed = call.sequences is not None
     group = hq // hkv
     gemm_rows = _config.GEMM_MIN_ROWS if gemm_rows is None else gemm_rows
     auto_q, auto_k = _tiles(b * hkv, group, sq, gemm_rows)
@@ -360,10 +452,6 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         page = call.k.shape[2]
         block_k = max(n for n in range(1, min(block_k, page) + 1) if page % n == 0)
     uses_gemm = group * block_q >= gemm_rows
-    n_q_tiles = -(-sq // block_q)
-    pairs = int(queries @ call.valid) if packed else b * sq * total  # (query, key) pairs a query head
-    macs = hq * pairs * (d + dv)
-    threads = _useful_threads(macs)
     # Every tensor as flat bytes (Q, K, V: their own dtype, read by code) or
     # flat accumulation-dtype items (mask, Y), and its row of ``desc``:
     # ``TENSOR_FIELDS``, in ``TENSORS`` order.
@@ -400,31 +488,6 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     desc += (0, *y_strides, 0, 0)  # Y: new and contiguous, y4 starts where y does
     desc = np.fromiter(desc, np.int64, len(desc)).reshape(len(kernels.TENSORS), len(kernels.TENSOR_FIELDS))
     heads_per_item = _heads_per_item(kv, token_major, hkv, uses_gemm)
-    if kv_chunk is None:
-        # Chunks exist to feed many threads; on one or two they add a merge
-        # (Hq=16 Hkv=4 D=64 Skv=1088, one thread: 140 us a call unsplit, 147
-        # in 3 chunks).
-        kv_chunk = total if macs < _config.SPLIT_MACS else _kv_chunk(
-            b * hkv // heads_per_item * n_q_tiles, total, block_k,
-            _config.TARGET_GEMM_ITEMS if uses_gemm else _config.TARGET_ITEMS)
-    kv_chunk = max(1, min(kv_chunk, max(total, 1)))
-    if call.pages is not None:  # chunks start where tiles do
-        kv_chunk = -(-kv_chunk // block_k) * block_k
-    n_chunks = max(1, -(-total // kv_chunk))
-    # Unsplit, a unit is a pair of query tiles (t, n - 1 - t): equal cost under causal.
-    n_units = n_q_tiles if n_chunks > 1 else -(-n_q_tiles // 2)
-
-    ints = _fields(kernels.INT_FIELDS,
-                   batch=b, q_heads=hq, kv_heads=hkv, q_len=sq, total=total,
-                   past=call.past_k.shape[2], head_size=d, v_head_size=dv,
-                   causal=int(call.is_causal), left=call.left, right=call.right,
-                   has_mask=int(call.mask is not None), block_q=block_q, block_k=block_k,
-                   n_q_tiles=n_q_tiles, n_units=n_units, chunk=kv_chunk, n_chunks=n_chunks,
-                   gemm_rows=gemm_rows, heads_per_item=heads_per_item, **_tables(call, len(kernels.INT_FIELDS)))
-    if packed:  # the sequences' table, then the pages' (``kernels.SEQUENCES``, ``kernels.PAGES``)
-        tables = [ints, call.sequences.ravel()] + ([] if call.pages is None else [call.pages.ravel()])
-        ints = np.concatenate(tables).astype(np.int64, copy=False)
-    n_items, rows = b * hkv // heads_per_item * n_units, heads_per_item * group * block_q
     # The C functions it may call (the loops of the formats it reads), compiled before the kernel runs.
     loops = kernels.loop_table(size // 8, q_code, tuple(kv), uses_gemm, heads_per_item > 1)
     with np.errstate(over="ignore"):  # a scale's root beyond the dtype's range is inf, as in the reference
@@ -433,20 +496,13 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         # (the sinks after the FLOAT_FIELDS: ``softmax.SINKS``)
         floats = np.array([*(named[field] for field in kernels.FLOAT_FIELDS),
                            *(() if call.sinks is None else call.sinks)], call.acc_dtype)
-    plan = _Plan(
-        ints=ints,
-        desc=desc,
-        floats=floats,
-        offset=call.offset, valid=call.valid, y_shape=y.shape, acc_dtype=call.acc_dtype,
-        out_dtype=call.out_dtype, n_items=n_items, n_chunks=n_chunks, rows=rows, v_head_size=dv,
-        threads=threads,
-        macs=macs,
-        y_scale=_packed_scale(output_scale(call.v, hq, call.acc_dtype), hq, dv) if packed
-        else output_scale(call.v, hq, call.acc_dtype), loops=loops)
-    # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
-    if key is not None and not any(bases):
-        _keep(key, plan)
-    return plan.run(inputs[:5], inputs[5], y)
+    y_scale = output_scale(call.v, hq, call.acc_dtype)
+    if packed:
+        y_scale = _packed_scale(y_scale, hq, dv)
+    layout = _Layout(block_q=block_q, block_k=block_k, gemm_rows=gemm_rows, uses_gemm=uses_gemm,
+                     n_q_tiles=-(-sq // block_q), heads_per_item=heads_per_item, desc=desc, floats=floats,
+                     loops=loops, y_scale=y_scale, based=any(bases))
+    return layout, inputs
 
 
 def _heads_per_item(kv, token_major, hkv, uses_gemm):

@@ -182,9 +182,10 @@ REFERENCE = os.environ.get("NUMKV_REFERENCE", "0") == "1"
 # ``monkeypatch.setattr(_config, "THREAD_MACS", 0)``.  Each says why and the
 # figure that decided; the measurement logs are in docs/performance.md.  What
 # a call derives from them may be kept per layout: ``_attention._plans``
-# (keyed by the thread thresholds below; the tile sizes are not in its key:
-# tests/conftest.py empties it before each test, and a test that changes a
-# tile tunable after a call empties it too) and ``_scatter``'s ``_appends``
+# (keyed by the thread thresholds below; the tile sizes are not in its key,
+# nor in packed calls' ``_layouts``: tests/conftest.py empties both before
+# each test, and a test that changes a tile tunable after a call empties
+# them too) and ``_scatter``'s ``_appends``
 # / ``_layouts`` (work items of ``CHUNK_BYTES``; an in-place append's
 # batch-1 and one-token routes, taken below ``PARALLEL_MIN_BYTES``).  The
 # kernels' compile-time constants (``_kernels``: ``AXPY_KEYS``, ...; the
@@ -229,7 +230,8 @@ CLAIM_ITEMS = True
 # A float16 Y of at least this many elements is narrowed by numkv's kernel
 # (``_attention._to_float16``), a smaller one by NumPy's cast.
 NARROW_MIN = 1 << 16
-# At most this many plans kept (``_attention._plans``), the oldest dropped
+# At most this many plans kept (``_attention._plans``; as many packed calls'
+# layouts, ``_layouts``, and checks, ``_varlen._firsts``), the oldest dropped
 # first: the layers of a decode step share a few; the bound caps what a run
 # of new shapes keeps.
 PLANS_KEPT = 64

@@ -223,6 +223,13 @@ def byte_operand(arr):
     return flat.view(np.uint8), base, strides
 
 
+def block_bytes(arr):
+    """``byte_operand(arr)[0]`` for an ``arr`` that is a permutation of a
+    C-contiguous array's axes (the caller knows): its bytes in memory order,
+    a view, at a sixth of the cost."""
+    return arr.ravel("K").view(_BYTE) if arr.size else NO_BYTES
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_dtype_codes(names):
     """``{dtype: code}`` for the kernel's tuple of dtype ``names`` (code = index)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _attention, _config
+from . import _attention, _config, _formats
 from ._dtypes import is_float8_dtype, is_integer_dtype
 from ._quantize import QuantizedArray
 from ._validate import as_array
@@ -74,12 +74,13 @@ def varlen_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, cu_seqlens_q: Arr
     cu_k = offsets(cu_seqlens_k, "cu_seqlens_k", K.shape[0], "K's total_k", n)
     attrs = dict(scale=scale, is_causal=is_causal, softcap=softcap, left_window_size=left_window_size,
                  right_window_size=right_window_size, sinks=sinks)
+    key = _layout_key("varlen", (Q, K, V), attrs, K.shape[0] > 0)
     # One call of the sequences' shapes: every argument checked before any work.
-    first = _attention.prepare(_rows(Q, 0, 0), _rows(K, 0, 0), _rows(V, 0, 0),
-                               nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs)
+    first = _checked(key, lambda: _attention.prepare(_rows(Q, 0, 0), _rows(K, 0, 0), _rows(V, 0, 0),
+                                                     nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs))
     keys = np.diff(cu_k)
     return _run(_packed_call(first, _rows(Q, 0, Q.shape[0]), _rows(K, 0, K.shape[0]), _rows(V, 0, V.shape[0]),
-                             cu_q, cu_k[:-1], keys, left_window_size, right_window_size))
+                             cu_q, cu_k[:-1], keys, left_window_size, right_window_size), key)
 
 
 def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right_window_size, pages=None):
@@ -90,7 +91,8 @@ def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right
     of the block table ``pages``); causal bottom-right, windows from the
     same positions."""
     queries = np.diff(cu_q)
-    sequences = np.stack([cu_q[:-1], queries, first_keys], axis=1).astype(np.int64)
+    sequences = np.empty((len(queries), 3), np.int64)  # (np.stack: 3x the time)
+    sequences[:, 0], sequences[:, 1], sequences[:, 2] = cu_q[:-1], queries, first_keys
     longest = int((keys + queries).max(initial=0))  # (a window this long or longer excludes nothing)
     return dataclasses.replace(  # (``first``'s past: none)
         first, q=q, k=k, v=v, offset=keys - queries, valid=keys, sequences=sequences, pages=pages,
@@ -99,11 +101,67 @@ def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right
         right=_attention._window(right_window_size, "right_window_size", longest))
 
 
-def _run(call):
+# A serving loop calls with the same layout step after step (the same
+# heads, dtypes, attributes and sequence count; a key more each): its
+# arguments' checks (``first``) and the kernel's layout
+# (``_attention._layouts``) are kept under ``_layout_key``'s key.  Python
+# of a call of 8 one-token decodes over 10 keys each, float32, Hq16/Hkv4/D64,
+# 1 thread (a 2-vCPU Zen 3): ~300 us before, see docs/performance.md.
+_firsts = {}
+
+
+def _layout_key(kind, arrays, attrs, has_keys):
+    """The key of a packed call's kept checks and layout, or None where it
+    takes none: Q and the keys and values (packed, or the page pools) must be
+    aligned, C-contiguous ndarrays or QuantizedArrays of a format with no
+    separate scale (whose storage is), the attributes plain values (sinks a
+    float64 vector, by value).  Everything but their leading axis (the
+    token count or the pool's pages, which the layout does not depend on) is
+    in the key, and whether there are keys at all (none: no loops compiled)."""
+    if _config.REFERENCE:
+        return None
+    parts = []
+    for x in arrays:
+        form = None
+        if type(x) is QuantizedArray:
+            if not _formats.FORMATS[x.format].derived:
+                return None
+            form, x = x.format, x.storage
+        elif type(x) is not np.ndarray:
+            return None
+        flags = x.flags
+        if not (flags.c_contiguous and flags.aligned):
+            return None
+        parts.append((form, x.shape[1:], x.dtype))
+    *values, sinks = attrs.values()
+    types_ = tuple(map(type, values))
+    if not _attention._PLAIN.issuperset(types_):
+        return None
+    if sinks is not None:
+        if type(sinks) is not np.ndarray or sinks.dtype != np.float64 or sinks.ndim != 1:
+            return None
+        sinks = sinks.tobytes()
+    return kind, tuple(parts), tuple(values), types_, sinks, has_keys
+
+
+def _checked(key, prepare):
+    """``prepare()`` (the call of the sequences' shapes, every argument
+    checked), or the one kept under ``key``.  Kept without its Q, K and V
+    (zero-row views that would keep the caller's buffers alive)."""
+    first = _firsts.get(key) if key is not None else None
+    if first is None:
+        first = prepare()
+        if key is not None:
+            _attention._keep(_firsts, key, dataclasses.replace(first, q=None, k=None, v=None))
+    return first
+
+
+def _run(call, key=None):
     """Y ``(Tq, Hq, Dv)`` of a packed call: one launch of the kernel over
-    every sequence, or (``NUMKV_REFERENCE``) the NumPy path on each alone."""
+    every sequence (its layout kept under ``key``), or
+    (``NUMKV_REFERENCE``) the NumPy path on each alone."""
     if not _config.REFERENCE:
-        return _attention.run(call)
+        return _attention.run(call, layout_key=key)
     from ._reference import attention_reference
 
     y = np.empty((call.q.shape[2], call.q.shape[1], call.v.shape[3]), call.out_dtype)
@@ -161,9 +219,8 @@ def offsets(value, name, total, total_name, n):
     arr = arr.astype(np.int64)
     if arr[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(arr[0])}")
-    drops = np.flatnonzero(np.diff(arr) < 0)
-    if drops.size:
-        i = int(drops[0])
+    if (arr[1:] < arr[:-1]).any():  # (the index found only then: a decode step's call is mostly overhead)
+        i = int(np.flatnonzero(arr[1:] < arr[:-1])[0])
         raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}] = {int(arr[i + 1])} < "
                          f"{name}[{i}] = {int(arr[i])}")
     if arr[-1] != total:
@@ -247,11 +304,12 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
     attrs = dict(scale=scale, is_causal=is_causal, softcap=softcap, left_window_size=left_window_size,
                  right_window_size=right_window_size, sinks=sinks)
     k_all, v_all = _pool_view(pool_k), _pool_view(pool_v)  # (num_blocks, Hkv, block_size, D): no copy
+    key = _layout_key("paged", (Q, pool_k, pool_v), attrs, True)
     # One call of the sequences' shapes (keys of page 0 stand in): every argument checked before any work.
-    first = _attention.prepare(_rows(Q, 0, 0), k_all[:1, :, :0], v_all[:1, :, :0],
-                               nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs)
+    first = _checked(key, lambda: _attention.prepare(_rows(Q, 0, 0), k_all[:1, :, :0], v_all[:1, :, :0],
+                                                     nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs))
     return _run(_packed_call(first, _rows(Q, 0, Q.shape[0]), k_all, v_all, cu_q, np.zeros(n, np.int64), lengths,
-                             left_window_size, right_window_size, pages=table))
+                             left_window_size, right_window_size, pages=table), key)
 
 
 def _pages(x, name):

@@ -31,11 +31,14 @@ def rng():
 
 @pytest.fixture(autouse=True)
 def _no_kept_plans():
-    """Every test starts with no kept attention plans (``_attention._plans``):
-    one a test leaves could hide what the next one changes."""
-    from numkv import _attention
+    """Every test starts with no kept attention plans (``_attention._plans``,
+    packed calls' ``_layouts`` and their checks, ``_varlen._firsts``): one a
+    test leaves could hide what the next one changes."""
+    from numkv import _attention, _varlen
 
     _attention._plans.clear()
+    _attention._layouts.clear()
+    _varlen._firsts.clear()
 
 
 def random_bits(rng, shape, dtype):

@@ -169,6 +169,7 @@ def test_an_item_of_every_kv_head_gives_the_same_bits(fmt, rng, monkeypatch):
             monkeypatch.setattr(_attention, "_heads_per_item", forced(on))
             for threads in (1, 2, 3):
                 monkeypatch.setattr(thread_count, "_threads", threads)
+                _attention._layouts.clear()  # (a kept layout would keep its items' heads)
                 results.append(fn())
         for other in results[1:]:
             np.testing.assert_array_equal(other, results[0])
@@ -194,6 +195,52 @@ def test_an_item_of_every_kv_head_gives_the_same_bits(fmt, rng, monkeypatch):
             both(lambda: numkv.attention(q4, kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3), mask,
                                          pk.transpose(0, 2, 1, 3), pv.transpose(0, 2, 1, 3)))
     assert hkv in heads_seen and 2 in heads_seen  # (the items of every kv head did run)
+
+
+def test_a_serving_loop_keeps_its_layout(rng, monkeypatch):
+    """Decode steps of one layout (the same heads, dtypes, attributes and
+    sequence count; a key more each step) derive the kernel's layout once
+    (``_attention._layouts``) and check their arguments once
+    (``_varlen._firsts``); each step's Y has the bits of a call that kept
+    nothing.  A change of sinks, softcap or scale, of the pages' format, or
+    keys that appear, is another layout; what is kept holds no caller's
+    buffer."""
+    import weakref
+
+    from numkv import _attention, _varlen
+
+    made = []
+    real = _attention._layout
+    monkeypatch.setattr(_attention, "_layout", lambda *args: made.append(1) or real(*args))
+    sinks = rng.standard_normal(8)
+    calls = []
+    for step, attrs in enumerate([{}, {}, {}, dict(sinks=sinks), dict(sinks=-sinks), dict(softcap=3.0),
+                                  dict(scale=0.5), {}]):
+        lens_q = [1, 3, 1, 1] if step == 7 else [1, 1, 1, 1]  # (then 3 query rows: other tiles)
+        q, k, v, cu_q, cu_k = _pack(rng, lens_q, [0, 0, 0, 0] if step == 0 else [30 + step, 7, 0, 64], 8, 2)
+        pool_k, pool_v, table = _paginate(rng, k, v, cu_k, 16)
+        pages = [(pool_k, pool_v)] if step == 0 else [(pool_k, pool_v), (numkv.quantize(np.nan_to_num(pool_k), "q8_0"),
+                                                                          numkv.quantize(np.nan_to_num(pool_v), "q8_0"))]
+        attrs = dict(is_causal=True, **attrs)
+        calls.append(lambda q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, attrs=attrs:
+                     numkv.varlen_attention(q, k, v, cu_q, cu_k, **attrs))
+        for pk, pv in pages:
+            calls.append(lambda q=q, pk=pk, pv=pv, table=table, lens=np.diff(cu_k), cu_q=cu_q, attrs=attrs:
+                         numkv.paged_attention(q, pk, pv, table, lens, cu_q, **attrs))
+    kept = [call() for call in calls]
+    # layouts: varlen without keys, float32 pages; varlen with keys, q8_0 pages; 4 other attribute sets and
+    # 3 query rows x (varlen, float32 pages, q8_0 pages).  (Not in a layout: the pool's page count, the table's
+    # width.)
+    assert len(made) == 2 + 2 + 5 * 3, len(made)
+    for call, y in zip(calls, kept):
+        _attention._layouts.clear()
+        _varlen._firsts.clear()
+        np.testing.assert_array_equal(y, call())
+    q, k, v, cu_q, cu_k = _pack(rng, [1, 2], [100_000, 10], 8, 2)
+    numkv.varlen_attention(q, k, v, cu_q, cu_k)
+    gone = weakref.ref(k)
+    del k, v
+    assert gone() is None
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0", "int8", "int4"])
