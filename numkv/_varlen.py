@@ -104,9 +104,10 @@ def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right
 # A serving loop calls with the same layout step after step (the same
 # heads, dtypes, attributes and sequence count; a key more each): its
 # arguments' checks (``first``) and the kernel's layout
-# (``_attention._layouts``) are kept under ``_layout_key``'s key.  Python
-# of a call of 8 one-token decodes over 10 keys each, float32, Hq16/Hkv4/D64,
-# 1 thread (a 2-vCPU Zen 3): ~300 us before, see docs/performance.md.
+# (``_attention._layouts``) are kept under ``_layout_key``'s key.  A call
+# of 8 one-token decodes over 10 keys each, float32, Hq16/Hkv4/D64, mostly
+# Python: 205 us against 364 on 1 thread, 142 against 282 on 2 (a 2-vCPU
+# Zen 3; docs/performance.md, session 25).
 _firsts = {}
 
 
