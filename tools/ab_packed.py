@@ -1,0 +1,111 @@
+"""Packed calls (``varlen_attention``, ``paged_attention``) against an
+earlier revision of numkv, interleaved in one process: decode loops of 3
+steps (a key more a sequence each step), float32 Hq16/Hkv4/D64, causal.
+
+    python tools/ab_packed.py REV [THREADS]
+    python tools/ab_packed.py 9e9f546 2
+
+As ``tools/ab_decode.py`` (REV's package loaded beside this one as
+``numkv_base``); each round times 150 calls of each case on both
+revisions, alternating which goes first; prints medians of 7 rounds and
+the ratios' median and range, after checking both give the same Y.
+"""
+
+import sys
+import time
+
+import numpy as np
+
+from ab_decode import ROOT, load_base
+
+ROUNDS, CALLS, STEPS = 7, 150, 3
+HQ, HKV, D = 16, 4, 64
+
+
+def decode_steps(rng, lens_k, page=None):
+    """``STEPS`` calls' arguments, a key more a sequence each: ``(q, k,
+    cu_q, cu_k)``, or with ``page`` ``(q, pool, table, seq_lens, cu_q)``."""
+    n = len(lens_k)
+    steps = []
+    for step in range(STEPS):
+        lens = np.array(lens_k) + step
+        cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cu_q = np.arange(n + 1, dtype=np.int32)
+        q = rng.standard_normal((n, HQ, D), dtype=np.float32)
+        if page is None:
+            steps.append((q, rng.standard_normal((cu_k[-1], HKV, D), dtype=np.float32), cu_q, cu_k))
+            continue
+        pages = -(-lens // page)
+        pool = rng.standard_normal((int(pages.sum()), page, HKV, D), dtype=np.float32)
+        table = np.full((n, int(pages.max())), -1, np.int32)
+        first = np.concatenate([[0], np.cumsum(pages)])
+        for i in range(n):
+            table[i, :pages[i]] = np.arange(first[i], first[i + 1])
+        steps.append((q, pool, table, lens.astype(np.int32), cu_q))
+    return steps
+
+
+def caller(module, steps, paged, fmt=None):
+    """``f(i)``: call ``i`` of a decode loop over ``steps`` on ``module``."""
+    if not paged:
+        def varlen(i):
+            q, k, cu_q, cu_k = steps[i % STEPS]
+            return module.varlen_attention(q, k, k, cu_q, cu_k, is_causal=True)
+        return varlen
+    pools = [module.quantize(s[1], fmt) if fmt else s[1] for s in steps]
+
+    def paged_call(i):
+        q, _, table, seq_lens, cu_q = steps[i % STEPS]
+        return module.paged_attention(q, pools[i % STEPS], pools[i % STEPS], table, seq_lens, cu_q, is_causal=True)
+    return paged_call
+
+
+def median_time(f, n):
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        f(i)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main():
+    rev, threads = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    sys.path.insert(0, str(ROOT))
+    import numkv
+
+    base = load_base(rev)
+    rng = np.random.default_rng(0)
+    short, mid = [10] * 8, list(range(100, 601, 33))[:16]
+    cases = {
+        "varlen, 8 decodes of 10 keys": (decode_steps(rng, short), False, None),
+        "paged (pages of 16), 8 of 10 keys": (decode_steps(rng, short, 16), True, None),
+        "varlen, 16 decodes of 100-595 keys": (decode_steps(rng, mid), False, None),
+        "paged q8_0 (pages of 16), 16 of 100-595": (decode_steps(rng, mid, 16), True, "q8_0"),
+        "varlen, 8 decodes of 264-2,056 keys": (decode_steps(rng, [264, 520, 776, 1032, 1288, 1416, 1032, 2056]),
+                                                False, None),
+    }
+    callers = {}
+    for name, (steps, paged, fmt) in cases.items():
+        callers[name] = [caller(m, steps, paged, fmt) for m in (numkv, base)]
+        for m, f in zip((numkv, base), callers[name]):
+            m.set_num_threads(threads)
+            for i in range(2 * STEPS):  # (compiles, keeps its layouts)
+                f(i)
+        np.testing.assert_allclose(callers[name][0](0), callers[name][1](0), rtol=1e-6, atol=1e-6)
+    times = {name: ([], []) for name in cases}
+    for r in range(ROUNDS):
+        for name, (f_new, f_base) in callers.items():
+            order = ((0, f_new), (1, f_base)) if r % 2 else ((1, f_base), (0, f_new))
+            for which, f in order:
+                times[name][which].append(median_time(f, CALLS))
+    print(f"{threads} thread(s); medians of {ROUNDS} rounds of {CALLS} calls, now against {rev}")
+    print("| case | now (us) | before (us) | now / before (range) |\n|---|---|---|---|")
+    for name, (now, before) in times.items():
+        ratios = np.array(now) / np.array(before)
+        print(f"| {name} | {np.median(now) * 1e6:.0f} | {np.median(before) * 1e6:.0f} | "
+              f"{np.median(ratios):.2f} ({ratios.min():.2f}-{ratios.max():.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
