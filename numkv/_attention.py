@@ -8,6 +8,7 @@ kernel's named layout -> the kernel, on numkv's threads -> cast Y once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -158,14 +159,26 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
                       right_window_size=right_window_size, sinks=sinks)
         dtype = as_array(Q, "Q").dtype
         return y if is_float8_dtype(dtype) or y.dtype == dtype else y.astype(dtype)
-    key = None
-    if attn_mask is None and past_key is None and past_value is None and nonpad_kv_seqlen is None \
-            and not _config.REFERENCE:
-        key = _signature(Q, K, V, (scale, is_causal, q_num_heads, kv_num_heads, softcap,
-                                   softmax_precision, left_window_size, right_window_size), sinks)
-        plan = _plans.get(key) if key is not None else None
-        if plan is not None:  # the same shapes, dtypes and attributes as a call before
-            return plan.run_qkv(Q, K, V)
+    key = layout_key = None
+    if attn_mask is None and past_key is None and past_value is None and not _config.REFERENCE:
+        attributes = (scale, is_causal, q_num_heads, kv_num_heads, softcap, softmax_precision, left_window_size,
+                      right_window_size)
+        if nonpad_kv_seqlen is None:
+            key = _signature(Q, K, V, attributes, sinks)
+            plan = _plans.get(key) if key is not None else None
+            if plan is not None:  # the same shapes, dtypes and attributes as a call before
+                return plan.run_qkv(Q, K, V)
+        else:  # a cache's views (``numkv.cache``, ``numkv.transformers.KVCache``): a key more each step
+            layout_key = _views_key(Q, K, V, attributes, sinks)
+            if layout_key is not None:
+                key = _step_key(layout_key, K, V, nonpad_kv_seqlen)
+                plan = _plans.get(key) if key is not None else None
+                if plan is not None:  # the layers of a decode step after the first
+                    return plan.run([_operand_bytes(kernel_array(x)) for x in (Q, NO_BYTES, K, NO_BYTES, V)])
+            first = _checks.get(layout_key) if layout_key is not None else None
+            if first is not None and K.shape[2] == V.shape[2]:  # (else prepare says what is wrong)
+                return run(_with_keys(first, Q, K, V, nonpad_kv_seqlen, left_window_size, right_window_size),
+                           key=key, layout_key=layout_key)
     call = prepare(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
                    scale=scale, is_causal=is_causal, q_num_heads=q_num_heads,
                    kv_num_heads=kv_num_heads, softcap=softcap,
@@ -175,7 +188,9 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
         from ._reference import attention_reference
 
         return call.finish(attention_reference(call)[0])
-    return run(call, key=key)
+    if layout_key is not None:
+        keep_checks(layout_key, call)
+    return run(call, key=key, layout_key=layout_key)
 
 
 QK_PRECISIONS = (None, "int8")
@@ -225,30 +240,98 @@ _plans = {}
 # from call to call (each decode step), their layout does not.  The key:
 # ``numkv._varlen``'s ``_layout_key``.
 _layouts = {}
+# ... and their argument checks (an ``AttentionCall`` without its arrays),
+# as calls over a cache's views (``_views_key``) do too.
+_checks = {}
 # Attribute types a signature may hold: immutable, hashed by value.
 _PLAIN = frozenset([type(None), bool, int, float, np.bool_, np.int32, np.int64, np.float32, np.float64])
 
 
 def _signature(Q, K, V, attributes, sinks=None):
-    """The key of a call's plan, or None where the call cannot take one.
-    The attributes' types are part of it: ``True == 1`` and ``1 == 1.0``,
-    but a bool scale must still fail its check.  ``sinks`` are part of it
-    by value (a plain float64 ndarray only: its bytes; anything else takes no plan)."""
-    if sinks is not None:
-        if type(sinks) is not np.ndarray or sinks.dtype != _FLOAT64 or sinks.ndim != 1:
-            return None
-        sinks = sinks.tobytes()
+    """The key of a call's plan, or None where the call cannot take one
+    (Q, K and V aligned, C-contiguous, writeable ndarrays; the attributes
+    as ``_attributes_key``)."""
     for x in (Q, K, V):
         if type(x) is not np.ndarray:
             return None
         flags = x.flags
         if not (flags.c_contiguous and flags.writeable and flags.aligned):
             return None
+    attributes = _attributes_key(attributes, sinks)
+    if attributes is None:
+        return None
+    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes,
+            _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS, _config.CLAIM_ITEMS)
+
+
+def _attributes_key(attributes, sinks):
+    """The attributes' part of a kept call's key, or None where they cannot
+    be part of one.  Their types are in it: ``True == 1`` and ``1 == 1.0``,
+    but a bool scale must still fail its check.  ``sinks`` are part of it
+    by value (a plain float64 ndarray only: its bytes)."""
+    if sinks is not None:
+        if type(sinks) is not np.ndarray or sinks.dtype != _FLOAT64 or sinks.ndim != 1:
+            return None
+        sinks = sinks.tobytes()
     types_ = tuple(map(type, attributes))
     if not _PLAIN.issuperset(types_):  # a 0-d array or a tensor as the scale, say: checked and run, not kept
         return None
-    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, types_, sinks,
-            _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS, _config.CLAIM_ITEMS)
+    return attributes, types_, sinks
+
+
+def _views_key(Q, K, V, attributes, sinks):
+    """The key of a call's kept checks (``_checks``) and layout
+    (``_layouts``) where K and V are views of a cache that grow a key a
+    step (4-D, ``nonpad_kv_seqlen``, no mask or past), or None where it
+    takes none: Q an aligned ndarray, K and V aligned ndarrays or
+    QuantizedArrays of a format with no separate scale (whose storage is);
+    everything in the key but K's and V's key count, and whether there are
+    keys at all (none: no loops compiled).  Strides are in it: a view's
+    buffer is its own elements' span, read by ``byte_operand``."""
+    parts = []
+    for x in (Q, K, V):
+        form = None
+        if type(x) is QuantizedArray:
+            if not _QUANT_FORMATS[x.format].derived:
+                return None
+            form, x = x.format, x.storage
+        elif type(x) is not np.ndarray:
+            return None
+        if x.ndim != 4 or not x.flags.aligned:
+            return None
+        parts.append((form, x.shape[:2], x.shape[3], x.strides, x.dtype))
+    attributes = _attributes_key(attributes, sinks)
+    return None if attributes is None else ("views", tuple(parts), Q.shape[2], K.shape[2] > 0, attributes)
+
+
+def _step_key(layout_key, K, V, nonpad_kv_seqlen):
+    """The key of the plan of a call over a cache's views (``_views_key``)
+    that the other layers of its decode step repeat: the same key counts
+    and ``nonpad_kv_seqlen`` (an ndarray, by value: its checks passed
+    before), and the thread thresholds (as ``_signature``); or None."""
+    if type(nonpad_kv_seqlen) is not np.ndarray:
+        return None
+    return (layout_key, K.shape[2], V.shape[2], nonpad_kv_seqlen.dtype, nonpad_kv_seqlen.shape,
+            nonpad_kv_seqlen.tobytes(), _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS,
+            _config.CLAIM_ITEMS)
+
+
+def keep_checks(key, call):
+    """Keep ``call``'s checks (an ``AttentionCall`` whose Q, K, V and key
+    counts a later call replaces, ``_with_keys``) under ``key``, without
+    its arrays: they would keep the caller's buffers alive."""
+    _keep(_checks, key, dataclasses.replace(call, q=None, k=None, v=None, offset=None, valid=None))
+
+
+def _with_keys(first, Q, K, V, nonpad_kv_seqlen, left_window_size, right_window_size):
+    """``prepare``'s call for Q, K and V of the layout of ``first`` (a kept
+    call, ``_views_key``): what depends on the key count checked and derived
+    again, as ``prepare`` does."""
+    b, sq, skv = Q.shape[0], Q.shape[2], K.shape[2]
+    nonpad = index_vector(nonpad_kv_seqlen, "nonpad_kv_seqlen", b, skv, "kv_sequence_length ")
+    return dataclasses.replace(first, q=Q, k=K, v=V, offset=nonpad - sq, valid=nonpad.copy(),
+                               left=_window(left_window_size, "left_window_size", skv + sq),
+                               right=_window(right_window_size, "right_window_size", skv + sq))
 
 
 def _keep(kept, key, plan):
@@ -366,8 +449,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         layout, inputs = _layout(call, y4, b, sq, block_q, block_k, gemm_rows)
         if layout_key is not None and not layout.based:
             _keep(_layouts, layout_key, layout)
-    else:  # the buffers alone: a kept layout's operands are whole C-contiguous blocks, no mask, no scale folded
-        inputs = [block_bytes(kernel_array(arr)) for arr in (call.q, call.past_k, call.k, call.past_v, call.v)]
+    else:  # the buffers alone (a kept layout's calls: no mask, no past, no scale folded into Q)
+        # (packed calls keep one only where their operands are whole C-contiguous blocks: ``_varlen._layout_key``)
+        operand = block_bytes if packed else _operand_bytes
+        inputs = [operand(kernel_array(arr)) for arr in (call.q, call.past_k, call.k, call.past_v, call.v)]
         inputs.append(_NO_MASK[call.acc_dtype.itemsize])
     block_q, block_k, uses_gemm, n_q_tiles = layout.block_q, layout.block_k, layout.uses_gemm, layout.n_q_tiles
     heads_per_item = layout.heads_per_item
@@ -413,6 +498,10 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
     if key is not None and not layout.based:
         _keep(_plans, key, plan)
     return plan.run(inputs[:5], inputs[5], y)
+
+
+def _operand_bytes(arr):
+    return byte_operand(arr)[0]
 
 
 @dataclass(slots=True)

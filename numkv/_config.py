@@ -230,8 +230,9 @@ CLAIM_ITEMS = True
 # A float16 Y of at least this many elements is narrowed by numkv's kernel
 # (``_attention._to_float16``), a smaller one by NumPy's cast.
 NARROW_MIN = 1 << 16
-# At most this many plans kept (``_attention._plans``; as many packed calls'
-# layouts, ``_layouts``, and checks, ``_varlen._firsts``), the oldest dropped
+# At most this many plans kept (``_attention._plans``; as many layouts,
+# ``_layouts``, and checks, ``_checks``, of packed calls and of calls over a
+# cache's views), the oldest dropped
 # first: the layers of a decode step share a few; the bound caps what a run
 # of new shapes keeps.
 PLANS_KEPT = 64

@@ -175,6 +175,14 @@ def flat_view(arr, dtype):
         dense = arr.transpose(sorted(range(arr.ndim), key=strides.__getitem__, reverse=True))
         if dense.flags.c_contiguous:
             return dense.ravel().view(dtype), 0, strides
+        # A view into a C-contiguous buffer (a cache's first keys, ``buffer[:, :, :n]``): the
+        # buffer's flat view from the view's first element, ~2x cheaper than from the address.
+        owner = arr.base
+        if type(owner) is np.ndarray and owner.flags.c_contiguous and owner.flags.writeable \
+                and owner.nbytes % dtype.itemsize == 0:
+            start, rem = divmod(arr.ctypes.data - owner.ctypes.data, dtype.itemsize)
+            if not rem:
+                return owner.reshape(-1).view(dtype)[start:], 0, strides
     lo = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s > 0)
     interface = {

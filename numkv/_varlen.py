@@ -103,14 +103,11 @@ def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right
 
 # A serving loop calls with the same layout step after step (the same
 # heads, dtypes, attributes and sequence count; a key more each): its
-# arguments' checks (``first``) and the kernel's layout
-# (``_attention._layouts``) are kept under ``_layout_key``'s key.  A call
+# arguments' checks (``first``, in ``_attention._checks``) and the kernel's
+# layout (``_attention._layouts``) are kept under ``_layout_key``'s key.  A call
 # of 8 one-token decodes over 10 keys each, float32, Hq16/Hkv4/D64, mostly
 # Python: 205 us against 364 on 1 thread, 142 against 282 on 2 (a 2-vCPU
 # Zen 3; docs/performance.md, session 25).
-_firsts = {}
-
-
 def _layout_key(kind, arrays, attrs, has_keys):
     """The key of a packed call's kept checks and layout, or None where it
     takes none: Q and the keys and values (packed, or the page pools) must be
@@ -135,25 +132,18 @@ def _layout_key(kind, arrays, attrs, has_keys):
             return None
         parts.append((form, x.shape[1:], x.dtype))
     *values, sinks = attrs.values()
-    types_ = tuple(map(type, values))
-    if not _attention._PLAIN.issuperset(types_):
-        return None
-    if sinks is not None:
-        if type(sinks) is not np.ndarray or sinks.dtype != np.float64 or sinks.ndim != 1:
-            return None
-        sinks = sinks.tobytes()
-    return kind, tuple(parts), tuple(values), types_, sinks, has_keys
+    attributes = _attention._attributes_key(tuple(values), sinks)
+    return None if attributes is None else (kind, tuple(parts), attributes, has_keys)
 
 
 def _checked(key, prepare):
     """``prepare()`` (the call of the sequences' shapes, every argument
-    checked), or the one kept under ``key``.  Kept without its Q, K and V
-    (zero-row views that would keep the caller's buffers alive)."""
-    first = _firsts.get(key) if key is not None else None
+    checked), or the one kept under ``key`` (``_attention._checks``)."""
+    first = _attention._checks.get(key) if key is not None else None
     if first is None:
         first = prepare()
         if key is not None:
-            _attention._keep(_firsts, key, dataclasses.replace(first, q=None, k=None, v=None))
+            _attention.keep_checks(key, first)
     return first
 
 

@@ -32,13 +32,13 @@ def rng():
 @pytest.fixture(autouse=True)
 def _no_kept_plans():
     """Every test starts with no kept attention plans (``_attention._plans``,
-    packed calls' ``_layouts`` and their checks, ``_varlen._firsts``): one a
+    kept layouts, ``_layouts``, and checks, ``_checks``): one a
     test leaves could hide what the next one changes."""
-    from numkv import _attention, _varlen
+    from numkv import _attention
 
     _attention._plans.clear()
     _attention._layouts.clear()
-    _varlen._firsts.clear()
+    _attention._checks.clear()
 
 
 def random_bits(rng, shape, dtype):

@@ -762,6 +762,73 @@ def test_kept_plans_are_bounded(rng):
     assert len(_attention._plans) <= _config.PLANS_KEPT
 
 
+def test_a_cache_s_views_keep_their_layout(rng, monkeypatch):
+    """Decode steps over a cache's views (``K = buffer[:, :, :n]``,
+    ``nonpad_kv_seqlen``; numkv's caches, transformers' ``KVCache``) check
+    their arguments and derive the kernel's layout once (``_checks``,
+    ``_layouts``), and the layers of a step after the first take its plan
+    (``_plans``); each call's Y has the bits of a call that kept nothing.
+    Other attributes, q8_0 views, keys that appear are other layouts; a view
+    read backwards (its bytes start past its first key) keeps none; a kept
+    layout still says what is wrong with a call."""
+    import weakref
+
+    made = []
+    real = _attention._layout
+    monkeypatch.setattr(_attention, "_layout", lambda *args: made.append(1) or real(*args))
+    buffers = {fmt: [rng.standard_normal((2, 2, 64, 32)).astype(np.float32) for _ in "kv"] for fmt in ("f", "q")}
+    buffers["q"] = [numkv.quantize(b, "q8_0") for b in buffers["q"]]
+    sinks = rng.standard_normal(8)
+    calls = []
+    # each layout twice or more (the second call takes the kept one); the window is unbounded at the first
+    # of its steps (30 keys, a query: 31 positions) and excludes key 0 at the fourth (33 keys)
+    steps = [({}, 1)] * 3 + [(dict(sinks=sinks), 1)] * 2 + [(dict(sinks=-sinks), 1)] * 2 \
+        + [(dict(softcap=3.0), 1)] * 2 + [(dict(scale=0.5), 1)] * 2 + [(dict(left_window_size=31), 1)] * 4 \
+        + [({}, 3)] * 2
+    for step, (attrs, sq) in enumerate(steps):
+        n = 0 if step == 0 else 19 + step
+        q = rng.standard_normal((2, 8, sq, 32)).astype(np.float32)
+        nonpad = np.array([n, max(n - 3, sq)]) if n else np.array([0, 0])
+        # three layers: the second over other buffers (the step's plan), the third another nonpad_kv_seqlen
+        other = np.array([n, max(n - 5, sq)]) if n else nonpad
+        for layer, (buffer_q, lengths) in enumerate(((q, nonpad), (-q, nonpad), (q, other))):
+            for k, v in buffers.values():
+                k, v = (k, v) if layer != 1 else (v, k)
+                calls.append(lambda q=buffer_q, k=k[:, :, :n], v=v[:, :, :n], nonpad=lengths, attrs=attrs:
+                             numkv.attention(q, k, v, nonpad_kv_seqlen=nonpad, is_causal=True, **attrs))
+    runs = []
+    real_run = _attention.run
+    monkeypatch.setattr(_attention, "run", lambda *args, **kwargs: runs.append(1) or real_run(*args, **kwargs))
+    kept = [call() for call in calls]
+    # the step's plan: the second layer of each step and format; the third too without keys (the same nonpad)
+    assert len(calls) - len(runs) == 2 * len(steps) + 2, (len(calls), len(runs))
+    # no keys; keys; 5 other attribute sets; 3 queries: each for float32 and q8_0 views
+    assert len(made) == 2 * (2 + 5 + 1), len(made)
+    for call, y in zip(calls, kept):
+        _attention._layouts.clear()
+        _attention._checks.clear()
+        assert same_bits(y, call())
+    k, v = buffers["f"]
+    q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
+    for start, n in ((1, 10), (2, 11)):  # views past the buffer's start, and read backwards
+        for keys in (k[:, :, start:start + n], k[:, :, start + n:start:-1]):
+            values = v[:, :, start:start + n]
+            assert same_bits(numkv.attention(q, keys, values, nonpad_kv_seqlen=np.array([n, n])),
+                             numkv.attention(q, np.ascontiguousarray(keys), np.ascontiguousarray(values)))
+    numkv.attention(q, k[:, :, :10], v[:, :, :10], nonpad_kv_seqlen=np.array([10, 10]))
+    with pytest.raises(ValueError, match=r"nonpad_kv_seqlen\[1\] = 11 is outside \[0, kv_sequence_length 10\]"):
+        numkv.attention(q, k[:, :, :10], v[:, :, :10], nonpad_kv_seqlen=np.array([10, 11]))
+    with pytest.raises(ValueError, match="K has kv_sequence_length 10 but V has 11"):
+        numkv.attention(q, k[:, :, :10], v[:, :, :11], nonpad_kv_seqlen=np.array([10, 10]))
+    with pytest.raises(ValueError, match="K has kv_sequence_length 9 but V has 10"):  # (not the step's plan)
+        numkv.attention(q, k[:, :, :9], v[:, :, :10], nonpad_kv_seqlen=np.array([10, 10]))
+    big = np.zeros((2, 2, 100_000, 32), np.float32)
+    numkv.attention(q, big[:, :, :10], big[:, :, :10], nonpad_kv_seqlen=np.array([10, 10]))
+    gone = weakref.ref(big)
+    del big
+    assert gone() is None
+
+
 @pytest.mark.parametrize("qkv, kwargs, exc, match", [pytest.param(*b[1:], id=b[0]) for b in BAD_QKV])
 def test_bad_qkv(qkv, kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -393,7 +393,9 @@ def test_batch_zero_accepts_empty_lists():
 def test_flat_views_address_every_element(data):
     """``byte_operand`` / ``flat_view`` (the kernels' view of an input):
     ``flat[base + sum(idx * strides)]`` is ``arr[idx]`` for slices, axis
-    permutations, new axes (stride 0), reversed axes and size-1 axes."""
+    permutations, new axes (stride 0), reversed axes and size-1 axes; the
+    flat view starts at ``arr``'s lowest address (``base`` is what the
+    negative strides span: ``_scatter`` relies on it)."""
     shape = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
     arr = np.arange(int(np.prod(shape)) * 2, dtype=np.float32)[::data.draw(st.sampled_from([1, 2]))]
     arr = arr[:int(np.prod(shape))].reshape(shape)
@@ -408,3 +410,4 @@ def test_flat_views_address_every_element(data):
         items = flat.view(np.float32)
         index = np.indices(arr.shape).reshape(arr.ndim, -1)
         np.testing.assert_array_equal(items[base + (index * np.array(strides)[:, None]).sum(0)], arr.reshape(-1))
+        assert base == -sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)

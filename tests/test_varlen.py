@@ -201,13 +201,13 @@ def test_a_serving_loop_keeps_its_layout(rng, monkeypatch):
     """Decode steps of one layout (the same heads, dtypes, attributes and
     sequence count; a key more each step) derive the kernel's layout once
     (``_attention._layouts``) and check their arguments once
-    (``_varlen._firsts``); each step's Y has the bits of a call that kept
+    (``_attention._checks``); each step's Y has the bits of a call that kept
     nothing.  A change of sinks, softcap or scale, of the pages' format, or
     keys that appear, is another layout; what is kept holds no caller's
     buffer."""
     import weakref
 
-    from numkv import _attention, _varlen
+    from numkv import _attention
 
     made = []
     real = _attention._layout
@@ -234,7 +234,7 @@ def test_a_serving_loop_keeps_its_layout(rng, monkeypatch):
     assert len(made) == 2 + 2 + 5 * 3, len(made)
     for call, y in zip(calls, kept):
         _attention._layouts.clear()
-        _varlen._firsts.clear()
+        _attention._checks.clear()
         np.testing.assert_array_equal(y, call())
     q, k, v, cu_q, cu_k = _pack(rng, [1, 2], [100_000, 10], 8, 2)
     numkv.varlen_attention(q, k, v, cu_q, cu_k)

@@ -1,6 +1,10 @@
-"""Packed calls (``varlen_attention``, ``paged_attention``) against an
-earlier revision of numkv, interleaved in one process: decode loops of 3
-steps (a key more a sequence each step), float32 Hq16/Hkv4/D64, causal.
+"""Packed calls (``varlen_attention``, ``paged_attention``) and calls over
+a cache's views (``numkv.attention`` on ``buffer[:, :, :n]`` with
+``nonpad_kv_seqlen``, as numkv's caches and transformers' ``KVCache``
+make them) against an earlier revision of numkv, interleaved in one
+process: decode loops of 3 steps (a key more a sequence each step; over
+views, 4 layers a step and a key more each step, up to the 4,096 keys of
+the buffers), float32 Hq16/Hkv4/D64, causal.
 
     python tools/ab_packed.py REV [THREADS]
     python tools/ab_packed.py 9e9f546 2
@@ -19,6 +23,7 @@ import numpy as np
 from ab_decode import ROOT, load_base
 
 ROUNDS, CALLS, STEPS = 7, 150, 3
+LAYERS = 4  # a cache's views: the calls of a decode step (its layers)
 HQ, HKV, D = 16, 4, 64
 
 
@@ -45,8 +50,23 @@ def decode_steps(rng, lens_k, page=None):
     return steps
 
 
+def cache_steps(rng, batch, keys, capacity=4096):
+    """A cache's buffers and a query: ``(q, k_buffer, v_buffer, keys)``."""
+    k_buf, v_buf = (rng.standard_normal((batch, HKV, capacity, D), dtype=np.float32) for _ in "kv")
+    return rng.standard_normal((batch, HQ, 1, D), dtype=np.float32), k_buf, v_buf, keys
+
+
 def caller(module, steps, paged, fmt=None):
     """``f(i)``: call ``i`` of a decode loop over ``steps`` on ``module``."""
+    if paged == "views":  # LAYERS calls a decode step, then a key more (never a length seen before)
+        q, k_buf, v_buf, keys = steps
+        calls = iter(range(LAYERS * (k_buf.shape[2] - keys)))
+
+        def views(i):
+            n = keys + next(calls) // LAYERS
+            return module.attention(q, k_buf[:, :, :n], v_buf[:, :, :n], nonpad_kv_seqlen=np.full(len(q), n),
+                                    is_causal=True)
+        return views
     if not paged:
         def varlen(i):
             q, k, cu_q, cu_k = steps[i % STEPS]
@@ -84,6 +104,9 @@ def main():
         "paged q8_0 (pages of 16), 16 of 100-595": (decode_steps(rng, mid, 16), True, "q8_0"),
         "varlen, 8 decodes of 264-2,056 keys": (decode_steps(rng, [264, 520, 776, 1032, 1288, 1416, 1032, 2056]),
                                                 False, None),
+        "cache views, B1, from 16 keys": (cache_steps(rng, 1, 16), "views", None),
+        "cache views, B1, from 512 keys": (cache_steps(rng, 1, 512), "views", None),
+        "cache views, B4, from 2,048 keys": (cache_steps(rng, 4, 2048), "views", None),
     }
     callers = {}
     for name, (steps, paged, fmt) in cases.items():

@@ -137,7 +137,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "86b6f02979e3f1bfc9679a6262a16271eb2808dc74a85609b5936e1fd5d084ab"
+HELPERS_SHA256 = "63de54fbd219df135d2ffc055e3f33e7a53f12ea95e24b9fccf5508d10b794c3"
 
 
 # -- work items --------------------------------------------------------------------------

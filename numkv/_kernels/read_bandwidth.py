@@ -16,7 +16,7 @@ from .._runtime.protocol import pool_enter, pool_exit
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "84abb8835b928488f1669e7df8987c39fa535c783c33d063ea44e04ed7bfd695"
+HELPERS_SHA256 = "a8bd0e1a310f20161b4cdb048487dc9127b1b99e639b143c820fd8b1cf155b55"
 
 LANES = 64  # independent float32 accumulators per chunk
 

@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "4b760a4e22bcb5abd7ccd5b4ac2d21e24ddf9303b53a14bb3c7274ff3ca27d79"
+HELPERS_SHA256 = "01ce151b6c6cdb7120c1b2f9637013bdf781abb107cfcbee8a398f3e0de4d0e7"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its
