@@ -284,7 +284,9 @@ def _views_key(Q, K, V, attributes, sinks):
     (``_layouts``) where K and V are views of a cache that grow a key a
     step (4-D, ``nonpad_kv_seqlen``, no mask or past), or None where it
     takes none: Q an aligned ndarray, K and V aligned ndarrays or
-    QuantizedArrays of a format with no separate scale (whose storage is);
+    QuantizedArrays of a format with no separate scale (whose storage is),
+    none with a negative stride (a view read backwards starts its bytes past
+    its first key, by the key count: ``flat_view``'s ``base``);
     everything in the key but K's and V's key count, and whether there are
     keys at all (none: no loops compiled).  Strides are in it: a view's
     buffer is its own elements' span, read by ``byte_operand``."""
@@ -297,7 +299,7 @@ def _views_key(Q, K, V, attributes, sinks):
             form, x = x.format, x.storage
         elif type(x) is not np.ndarray:
             return None
-        if x.ndim != 4 or not x.flags.aligned:
+        if x.ndim != 4 or not x.flags.aligned or min(x.strides) < 0:  # (read backwards: its bytes start past it)
             return None
         parts.append((form, x.shape[:2], x.shape[3], x.strides, x.dtype))
     attributes = _attributes_key(attributes, sinks)
@@ -552,8 +554,8 @@ def _layout(call, y4, b, sq, block_q, block_k, gemm_rows):
     size = call.acc_dtype.itemsize
     for t, (arr, width) in enumerate(((q, d), (call.past_k, d), (call.k, d), (call.past_v, dv), (call.v, dv))):
         flat, base, strides = byte_operand(kernel_array(arr))
-        if packed and arr.shape[0] == 1:  # sequences lie along s (``kernels.SEQUENCES``)
-            strides[0] = 0
+        if packed and arr.shape[0] == 1 and (t == kernels.T_Q or call.pages is None):
+            strides[0] = 0  # sequences lie along s (``kernels.SEQUENCES``); a page pool's axis 0 is its pages
         inputs.append(flat)
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else _QUANT_FORMATS[arr.format].code

@@ -179,10 +179,11 @@ def flat_view(arr, dtype):
         # buffer's flat view from the view's first element, ~2x cheaper than from the address.
         owner = arr.base
         if type(owner) is np.ndarray and owner.flags.c_contiguous and owner.flags.writeable \
-                and owner.nbytes % dtype.itemsize == 0:
+                and not owner.dtype.hasobject and owner.nbytes % dtype.itemsize == 0:
             start, rem = divmod(arr.ctypes.data - owner.ctypes.data, dtype.itemsize)
-            if not rem:
-                return owner.reshape(-1).view(dtype)[start:], 0, strides
+            end = start + sum((n - 1) * s for n, s in zip(arr.shape, strides)) + arr.itemsize // dtype.itemsize
+            if not rem and 0 <= start and end * dtype.itemsize <= owner.nbytes:  # (a base that holds it)
+                return owner.reshape(-1).view(dtype)[start:end], 0, strides
     lo = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(arr.shape, strides) if s > 0)
     interface = {

@@ -111,11 +111,12 @@ def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right
 def _layout_key(kind, arrays, attrs, has_keys):
     """The key of a packed call's kept checks and layout, or None where it
     takes none: Q and the keys and values (packed, or the page pools) must be
-    aligned, C-contiguous ndarrays or QuantizedArrays of a format with no
-    separate scale (whose storage is), the attributes plain values (sinks a
-    float64 vector, by value).  Everything but their leading axis (the
-    token count or the pool's pages, which the layout does not depend on) is
-    in the key, and whether there are keys at all (none: no loops compiled)."""
+    aligned, writeable, C-contiguous ndarrays or QuantizedArrays of a format
+    with no separate scale (whose storage is), the attributes plain values
+    (sinks a float64 vector, by value).  Everything but their leading axis's
+    length (the token count or the pool's pages, which the layout does not
+    depend on) is in the key, and whether there are keys at all (none: no
+    loops compiled)."""
     if _config.REFERENCE:
         return None
     parts = []
@@ -128,9 +129,9 @@ def _layout_key(kind, arrays, attrs, has_keys):
         elif type(x) is not np.ndarray:
             return None
         flags = x.flags
-        if not (flags.c_contiguous and flags.aligned):
+        if not (flags.c_contiguous and flags.aligned and flags.writeable):  # (read-only: another numba type)
             return None
-        parts.append((form, x.shape[1:], x.dtype))
+        parts.append((form, x.shape[1:], x.strides, x.dtype))  # (strides: ``x[None]``'s first is 0)
     *values, sinks = attrs.values()
     attributes = _attention._attributes_key(tuple(values), sinks)
     return None if attributes is None else (kind, tuple(parts), attributes, has_keys)
@@ -263,6 +264,8 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
     num_blocks, block_size = pool_k.shape[0], pool_k.shape[1]
     if block_size < 1:
         raise ValueError(f"key_cache's block_size must be >= 1, got {block_size}")
+    if num_blocks < 1:
+        raise ValueError("key_cache holds no blocks (num_blocks 0): a page pool holds one or more")
     table = as_array(block_table, "block_table")
     if not is_integer_dtype(table.dtype):
         raise TypeError(f"block_table must be an integer array, got dtype {table.dtype}")

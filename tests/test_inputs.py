@@ -397,8 +397,9 @@ def test_flat_views_address_every_element(data):
     flat view starts at ``arr``'s lowest address (``base`` is what the
     negative strides span: ``_scatter`` relies on it)."""
     shape = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
-    arr = np.arange(int(np.prod(shape)) * 2, dtype=np.float32)[::data.draw(st.sampled_from([1, 2]))]
-    arr = arr[:int(np.prod(shape))].reshape(shape)
+    arr = np.arange(int(np.prod(shape)) * 2, dtype=np.float32)
+    arr.flags.writeable = data.draw(st.booleans())
+    arr = arr[::data.draw(st.sampled_from([1, 2]))][:int(np.prod(shape))].reshape(shape)
     arr = arr.transpose(data.draw(st.permutations(range(arr.ndim))))
     for axis in range(arr.ndim):
         arr = arr[(slice(None),) * axis + (data.draw(st.sampled_from([slice(None), slice(None, None, -1),
@@ -411,3 +412,14 @@ def test_flat_views_address_every_element(data):
         index = np.indices(arr.shape).reshape(arr.ndim, -1)
         np.testing.assert_array_equal(items[base + (index * np.array(strides)[:, None]).sum(0)], arr.reshape(-1))
         assert base == -sum((n - 1) * s for n, s in zip(arr.shape, strides) if s < 0)
+
+
+def test_a_field_of_a_record_array_with_objects(rng):
+    """A float field of a structured array that also holds Python objects,
+    as K and V: read through the field's own view (its base's bytes cannot
+    be viewed as numbers)."""
+    records = np.zeros(8, [("o", object), ("x", np.float32), ("pad", np.float32)])
+    records["x"] = rng.standard_normal(8)
+    k = records["x"].reshape(1, 1, 8, 1)
+    q = np.ones((1, 1, 1, 1), np.float32)
+    np.testing.assert_array_equal(numkv.attention(q, k, k), numkv.attention(q, k.copy(), k.copy()))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import naive
 import numkv
+from conftest import same_bits
 from numkv import _config
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -243,6 +244,40 @@ def test_a_serving_loop_keeps_its_layout(rng, monkeypatch):
     assert gone() is None
 
 
+def test_a_kept_layout_serves_only_its_strides(rng):
+    """What a packed call keeps is keyed by its operands' strides, not only
+    their shapes: a one-row Q or K given as ``row[None]`` (stride 0), a pool
+    of one page, then the usual arrays of the same heads; read-only arrays
+    then take no second compiled kernel.  Each Y has the bits of a call
+    that kept nothing."""
+    from numkv import _attention
+    from numkv._kernels.attention import attention_items
+
+    def kept_and_fresh(call):
+        y = call()
+        _attention._layouts.clear()
+        _attention._checks.clear()
+        return y, call()
+
+    q, k, v, cu_q, cu_k = _pack(rng, [1, 1], [3, 4], 4, 2)
+    numkv.varlen_attention(q, k[:1][0][None], v[:1][0][None], np.array([0, 1, 2]), np.array([0, 1, 1]))
+    numkv.varlen_attention(q[:1][0][None], k, v, np.array([0, 1, 1]), cu_k)
+    y, fresh = kept_and_fresh(lambda: numkv.varlen_attention(q, k, v, cu_q, cu_k))
+    assert same_bits(y, fresh)
+    pool_k, pool_v, table = _paginate(rng, k, v, cu_k, 4)
+    for first in (pool_k[:1], pool_k[0][None]):
+        numkv.paged_attention(q, first, first, np.zeros((2, 1), np.int64), np.array([2, 3]), cu_q)
+        y, fresh = kept_and_fresh(lambda: numkv.paged_attention(q, pool_k, pool_v, table, np.diff(cu_k), cu_q))
+        assert same_bits(y, fresh)
+    numkv.varlen_attention(q, k, v, cu_q, cu_k)  # (kept again)
+    compiled = len(attention_items.signatures)
+    frozen = [x.copy() for x in (q, k, v)]
+    for x in frozen:
+        x.flags.writeable = False
+    numkv.varlen_attention(*frozen, cu_q, cu_k)
+    assert len(attention_items.signatures) == compiled
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "q8_0", "q4_0", "int8", "int4"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_paged_pages_of_every_format(fmt, block_size, rng):
@@ -324,10 +359,12 @@ def _paged_args(rng):
     (lambda a: a.__setitem__("cu_seqlens_q", np.array([0, 3])), r"cu_seqlens_q must have shape \(3,\)"),
     (lambda a: a.__setitem__("value_cache", a["value_cache"][:, :2]), "key_cache has"),
     (lambda a: a.__setitem__("sinks", np.zeros(3)), r"sinks must have shape \(q_num_heads,\) = \(4,\)"),
+    (lambda a: a.update(key_cache=a["key_cache"][:0], value_cache=a["value_cache"][:0]), "key_cache holds no"),
 ], ids=["page-beyond-pool", "page-negative", "table-too-short", "seq-lens-shape", "seq-len-negative",
-        "cu-decreasing", "cu-total", "cu-start", "cu-length", "pools-differ", "sinks-shape"])
+        "cu-decreasing", "cu-total", "cu-start", "cu-length", "pools-differ", "sinks-shape", "no-blocks"])
 def test_bad_paged_arguments(change, match, rng, monkeypatch):
     args = _paged_args(rng)
+    numkv.paged_attention(**args)  # (a good call first: its checks and layout are kept)
     change(args)
     ran = []
     monkeypatch.setattr(numkv._attention, "run", lambda *a, **k: ran.append(1))
@@ -346,6 +383,7 @@ def test_bad_paged_arguments(change, match, rng, monkeypatch):
 ], ids=["cu-decreasing", "cu-k-total", "cu-lengths-differ", "kv-rows", "head-size", "heads"])
 def test_bad_varlen_arguments(change, match, rng, monkeypatch):
     args = list(_pack(rng, [2, 1], [5, 9], 4, 2))
+    numkv.varlen_attention(*args)  # (a good call first: its checks and layout are kept)
     change(args)
     ran = []
     monkeypatch.setattr(numkv._attention, "run", lambda *a, **k: ran.append(1))
