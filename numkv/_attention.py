@@ -260,8 +260,7 @@ def _signature(Q, K, V, attributes, sinks=None):
     attributes = _attributes_key(attributes, sinks)
     if attributes is None:
         return None
-    return (Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes,
-            _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS, _config.CLAIM_ITEMS)
+    return Q.shape, K.shape, V.shape, Q.dtype, K.dtype, V.dtype, attributes, _thresholds()
 
 
 def _attributes_key(attributes, sinks):
@@ -292,14 +291,8 @@ def _views_key(Q, K, V, attributes, sinks):
     buffer is its own elements' span, read by ``byte_operand``."""
     parts = []
     for x in (Q, K, V):
-        form = None
-        if type(x) is QuantizedArray:
-            if not _QUANT_FORMATS[x.format].derived:
-                return None
-            form, x = x.format, x.storage
-        elif type(x) is not np.ndarray:
-            return None
-        if x.ndim != 4 or not x.flags.aligned or min(x.strides) < 0:  # (read backwards: its bytes start past it)
+        form, x = kept_operand(x)
+        if x is None or x.ndim != 4 or not x.flags.aligned or min(x.strides) < 0:  # (read backwards: see above)
             return None
         parts.append((form, x.shape[:2], x.shape[3], x.strides, x.dtype))
     attributes = _attributes_key(attributes, sinks)
@@ -314,8 +307,22 @@ def _step_key(layout_key, K, V, nonpad_kv_seqlen):
     if type(nonpad_kv_seqlen) is not np.ndarray:
         return None
     return (layout_key, K.shape[2], V.shape[2], nonpad_kv_seqlen.dtype, nonpad_kv_seqlen.shape,
-            nonpad_kv_seqlen.tobytes(), _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS,
-            _config.CLAIM_ITEMS)
+            nonpad_kv_seqlen.tobytes(), _thresholds())
+
+
+def kept_operand(x):
+    """``(format, array read)`` of a Q, K or V whose call may be kept: an
+    ndarray ``(None, x)``, or a QuantizedArray of a format with no separate
+    scale (its storage: a scale would be folded into Q or Y by value);
+    ``(None, None)`` for anything else."""
+    if type(x) is QuantizedArray:
+        return (x.format, x.storage) if _QUANT_FORMATS[x.format].derived else (None, None)
+    return None, (x if type(x) is np.ndarray else None)
+
+
+def _thresholds():
+    """The thread thresholds a kept plan's thread count follows (tests change them)."""
+    return _config.SINGLE_THREAD_MACS, _config.SPLIT_MACS, _config.THREAD_MACS, _config.CLAIM_ITEMS
 
 
 def keep_checks(key, call):

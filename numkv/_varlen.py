@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _attention, _config, _formats
+from . import _attention, _config
 from ._dtypes import is_float8_dtype, is_integer_dtype
 from ._quantize import QuantizedArray
 from ._validate import as_array
@@ -121,12 +121,8 @@ def _layout_key(kind, arrays, attrs, has_keys):
         return None
     parts = []
     for x in arrays:
-        form = None
-        if type(x) is QuantizedArray:
-            if not _formats.FORMATS[x.format].derived:
-                return None
-            form, x = x.format, x.storage
-        elif type(x) is not np.ndarray:
+        form, x = _attention.kept_operand(x)
+        if x is None:
             return None
         flags = x.flags
         if not (flags.c_contiguous and flags.aligned and flags.writeable):  # (read-only: another numba type)
