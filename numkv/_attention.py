@@ -172,7 +172,7 @@ def attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, attn_mask: ArrayLike | N
             layout_key = _views_key(Q, K, V, attributes, sinks)
             if layout_key is not None:
                 key = _step_key(layout_key, K, V, nonpad_kv_seqlen)
-                plan = _plans.get(key) if key is not None else None
+                plan = _step_plans.get(key) if key is not None else None
                 if plan is not None:  # the layers of a decode step after the first
                     return plan.run([_operand_bytes(kernel_array(x)) for x in (Q, NO_BYTES, K, NO_BYTES, V)])
             first = _checks.get(layout_key) if layout_key is not None else None
@@ -241,8 +241,10 @@ _plans = {}
 # ``numkv._varlen``'s ``_layout_key``.
 _layouts = {}
 # ... and their argument checks (an ``AttentionCall`` without its arrays),
-# as calls over a cache's views (``_views_key``) do too.
+# as calls over a cache's views (``_views_key``) do too; those also keep
+# the plan the later layers of a decode step repeat (``_step_key``).
 _checks = {}
+_step_plans = {}
 # Attribute types a signature may hold: immutable, hashed by value.
 _PLAIN = frozenset([type(None), bool, int, float, np.bool_, np.int32, np.int64, np.float32, np.float64])
 
@@ -504,8 +506,8 @@ def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=Non
         macs=macs,
         y_scale=layout.y_scale, loops=layout.loops)
     # A kept plan serves calls whose Q, K and V are viewed as their whole memory, from its start.
-    if key is not None and not layout.based:
-        _keep(_plans, key, plan)
+    if key is not None and not layout.based:  # (a decode step's plan apart: a step a plan, not to push out the rest)
+        _keep(_plans if layout_key is None else _step_plans, key, plan)
     return plan.run(inputs[:5], inputs[5], y)
 
 

@@ -231,8 +231,8 @@ CLAIM_ITEMS = True
 # (``_attention._to_float16``), a smaller one by NumPy's cast.
 NARROW_MIN = 1 << 16
 # At most this many plans kept (``_attention._plans``; as many layouts,
-# ``_layouts``, and checks, ``_checks``, of packed calls and of calls over a
-# cache's views), the oldest dropped
+# ``_layouts``, checks, ``_checks``, and decode steps' plans, ``_step_plans``,
+# of packed calls and of calls over a cache's views), the oldest dropped
 # first: the layers of a decode step share a few; the bound caps what a run
 # of new shapes keeps.
 PLANS_KEPT = 64

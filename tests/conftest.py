@@ -31,14 +31,15 @@ def rng():
 
 @pytest.fixture(autouse=True)
 def _no_kept_plans():
-    """Every test starts with no kept attention plans (``_attention._plans``,
-    kept layouts, ``_layouts``, and checks, ``_checks``): one a
-    test leaves could hide what the next one changes."""
+    """Every test starts with nothing kept by attention calls
+    (``_attention._plans``, ``_layouts``, ``_checks``, ``_step_plans``): what
+    a test leaves could hide what the next one changes."""
     from numkv import _attention
 
     _attention._plans.clear()
     _attention._layouts.clear()
     _attention._checks.clear()
+    _attention._step_plans.clear()
 
 
 def random_bits(rng, shape, dtype):

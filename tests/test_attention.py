@@ -767,7 +767,7 @@ def test_a_cache_s_views_keep_their_layout(rng, monkeypatch):
     ``nonpad_kv_seqlen``; numkv's caches, transformers' ``KVCache``) check
     their arguments and derive the kernel's layout once (``_checks``,
     ``_layouts``), and the layers of a step after the first take its plan
-    (``_plans``); each call's Y has the bits of a call that kept nothing.
+    (``_step_plans``); each call's Y has the bits of a call that kept nothing.
     Other attributes, q8_0 views, keys that appear are other layouts; a view
     read backwards (its bytes start past its first key) keeps none; a kept
     layout still says what is wrong with a call."""
@@ -807,7 +807,9 @@ def test_a_cache_s_views_keep_their_layout(rng, monkeypatch):
     for call, y in zip(calls, kept):
         _attention._layouts.clear()
         _attention._checks.clear()
+        _attention._step_plans.clear()
         assert same_bits(y, call())
+    assert not _attention._plans  # (a step's plan is kept apart from the plans of whole arrays)
     k, v = buffers["f"]
     q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
     for start, n in ((1, 1), (2, 2), (1, 10), (2, 11)):  # views past the buffer's start, and read backwards

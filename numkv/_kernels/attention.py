@@ -137,7 +137,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "63de54fbd219df135d2ffc055e3f33e7a53f12ea95e24b9fccf5508d10b794c3"
+HELPERS_SHA256 = "f40cb885517c0837636912e9ccfbdaf3affed3728057f541b255121a14128107"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "4dd27667f233020a8e37ea9521d993fa88a8cf0d99d1f46495849a0a06f99b0f"
+HELPERS_SHA256 = "3ef17148cee9914f88deae39b391b5d1e831bbd76dfe31218826987ede5ab214"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.

@@ -16,7 +16,7 @@ from .simd import _full_width_loops, _half_bits
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "bfd9c3d6efef00f0c643ff1545f62457f352faf9a54b93d9ff1c331cba9d5e8b"
+HELPERS_SHA256 = "71f45da9baac354f77a4acd4f276981b8b9c5dae211f058be67d12aa6e00ca69"
 
 CHUNK = 1 << 16  # elements a work item
 

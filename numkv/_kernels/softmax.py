@@ -28,7 +28,7 @@ from .simd import _as_flat, _float32_from_bits, _full_width_loops, _max, _maximu
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "01ce151b6c6cdb7120c1b2f9637013bdf781abb107cfcbee8a398f3e0de4d0e7"
+HELPERS_SHA256 = "f43068966658d98a3f0eb9af1e2623b7e998a58bcbf5cb4f19caecdcca6b45b7"
 
 # ``floats[SINKS + h]``, where ``floats`` holds more than ``FLOAT_FIELDS``:
 # query head ``h``'s sink (``numkv.attention``'s ``sinks``), a logit in its

@@ -56,7 +56,7 @@ from .control import (CALLED_OFF, CLAIMED, CLAIMED_BIT, CLOSE_NS, DONE, ENTRY, F
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "fd497d1c4afe41a60a49a97e67481a7af78b483fc46aac1641f5675cb79242de"
+HELPERS_SHA256 = "9db0f56af0e0d8d4dba92ae506437e2936276f52cbcad61ba5a91e28f18d47d1"
 
 _I64, _I32, _I8P = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
 _LINUX = sys.platform.startswith("linux")
