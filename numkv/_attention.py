@@ -346,7 +346,8 @@ def _with_keys(first, Q, K, V, nonpad_kv_seqlen, left_window_size, right_window_
 
 
 def _keep(kept, key, plan):
-    """Keep ``plan`` in ``kept`` (``_plans``, or a ``_Layout`` in ``_layouts``), dropping the oldest
+    """Keep ``plan`` in ``kept`` (``_plans``, ``_step_plans``; a ``_Layout``
+    in ``_layouts``, a call's checks in ``_checks``), dropping the oldest
     beyond ``PLANS_KEPT``.  No lock (a fork could inherit it held): each
     dict operation is atomic, and a race only drops a plan too many or too
     few."""
@@ -439,9 +440,10 @@ def _to_float16(y):
 
 def run(call, block_q=None, block_k=None, kv_chunk=None, gemm_rows=None, key=None, layout_key=None):
     """Run the kernel on a prepared call, and keep its plan under ``key``
-    (see ``_plans``) or, for packed sequences, its layout under
-    ``layout_key`` (see ``_layouts``).  Tests may force the tile sizes, the
-    key chunk, and the rows from which tiles take the matrix products
+    (``_plans``; with a ``layout_key``, ``_step_plans``) and, for packed
+    sequences and calls over a cache's views, its layout under
+    ``layout_key`` (``_layouts``).  Tests may force the tile sizes, the key
+    chunk, and the rows from which tiles take the matrix products
     (``gemm``)."""
     y, y4 = call.new_output()
     if y.size == 0:
@@ -520,8 +522,9 @@ class _Layout:
     """What ``run`` derives from a call's layout -- its operands' dtypes and
     strides, its attributes, its batch rows and query rows -- but not from
     its key counts: the tiles, the kernel's ``desc`` and ``floats`` rows,
-    the loops.  Packed sequences keep it (``_layouts``): a decode step's
-    sequences grow a key each and keep their layout."""
+    the loops.  Packed sequences and calls over a cache's views keep it
+    (``_layouts``): from one decode step to the next their sequences grow a
+    key each and keep their layout."""
 
     block_q: int
     block_k: int
