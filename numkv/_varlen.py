@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _attention, _config
-from ._dtypes import is_float8_dtype, is_integer_dtype
-from ._quantize import QuantizedArray
+from ._dtypes import NO_BYTES, block_bytes, is_float8_dtype, is_integer_dtype
+from ._quantize import QuantizedArray, kernel_array
 from ._validate import as_array
 
 if TYPE_CHECKING:
@@ -69,18 +69,22 @@ def varlen_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, cu_seqlens_q: Arr
     Q, K, V = (_packed(x, name) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
     if K.shape[0] != V.shape[0]:
         raise ValueError(f"K has {K.shape[0]} rows but V has {V.shape[0]}")
-    n = _sequences(cu_seqlens_q, cu_seqlens_k)
-    cu_q = offsets(cu_seqlens_q, "cu_seqlens_q", Q.shape[0], "Q's total_q", n)
-    cu_k = offsets(cu_seqlens_k, "cu_seqlens_k", K.shape[0], "K's total_k", n)
     attrs = dict(scale=scale, is_causal=is_causal, softcap=softcap, left_window_size=left_window_size,
                  right_window_size=right_window_size, sinks=sinks)
     key = _layout_key("varlen", (Q, K, V), attrs, K.shape[0] > 0)
+    step = _step_key(key, (Q.shape[0], K.shape[0]), (cu_seqlens_q, cu_seqlens_k))
+    plan = _attention._step_plans.get(step) if step is not None else None
+    if plan is not None:  # a decode step's layers after the first: checked and derived by the first
+        return _run_step(plan, Q, K, V)
+    n = _sequences(cu_seqlens_q, cu_seqlens_k)
+    cu_q = offsets(cu_seqlens_q, "cu_seqlens_q", Q.shape[0], "Q's total_q", n)
+    cu_k = offsets(cu_seqlens_k, "cu_seqlens_k", K.shape[0], "K's total_k", n)
     # One call of the sequences' shapes: every argument checked before any work.
     first = _checked(key, lambda: _attention.prepare(_rows(Q, 0, 0), _rows(K, 0, 0), _rows(V, 0, 0),
                                                      nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs))
     keys = np.diff(cu_k)
     return _run(_packed_call(first, _rows(Q, 0, Q.shape[0]), _rows(K, 0, K.shape[0]), _rows(V, 0, V.shape[0]),
-                             cu_q, cu_k[:-1], keys, left_window_size, right_window_size), key)
+                             cu_q, cu_k[:-1], keys, left_window_size, right_window_size), key, step)
 
 
 def _packed_call(first, q, k, v, cu_q, first_keys, keys, left_window_size, right_window_size, pages=None):
@@ -133,6 +137,28 @@ def _layout_key(kind, arrays, attrs, has_keys):
     return None if attributes is None else (kind, tuple(parts), attributes, has_keys)
 
 
+def _step_key(key, rows, arrays):
+    """The key of the plan the later layers of a decode step repeat (kept
+    in ``_attention._step_plans``): the layout's ``key``, the packed
+    ``rows`` (and a pool's pages), the sequences' ``arrays`` by value
+    (ndarrays only: their checks passed before), the thread thresholds; or
+    None."""
+    if key is None:
+        return None
+    values = []
+    for arr in arrays:
+        if type(arr) is not np.ndarray:
+            return None
+        values.append((arr.dtype, arr.shape, arr.tobytes()))
+    return key, rows, tuple(values), _attention._thresholds()
+
+
+def _run_step(plan, Q, K, V):
+    """Y of a kept step's ``plan`` for packed Q, K and V (or page pools):
+    whole C-contiguous blocks, as ``_layout_key`` keeps."""
+    return plan.run([block_bytes(kernel_array(x)) for x in (Q, NO_BYTES, K, NO_BYTES, V)])
+
+
 def _checked(key, prepare):
     """``prepare()`` (the call of the sequences' shapes, every argument
     checked), or the one kept under ``key`` (``_attention._checks``)."""
@@ -144,12 +170,12 @@ def _checked(key, prepare):
     return first
 
 
-def _run(call, key=None):
+def _run(call, key=None, step=None):
     """Y ``(Tq, Hq, Dv)`` of a packed call: one launch of the kernel over
-    every sequence (its layout kept under ``key``), or
-    (``NUMKV_REFERENCE``) the NumPy path on each alone."""
+    every sequence (its layout kept under ``key``, its plan under
+    ``step``), or (``NUMKV_REFERENCE``) the NumPy path on each alone."""
     if not _config.REFERENCE:
-        return _attention.run(call, layout_key=key)
+        return _attention.run(call, key=step, layout_key=key)
     from ._reference import attention_reference
 
     y = np.empty((call.q.shape[2], call.q.shape[1], call.v.shape[3]), call.out_dtype)
@@ -262,6 +288,13 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
         raise ValueError(f"key_cache's block_size must be >= 1, got {block_size}")
     if num_blocks < 1:
         raise ValueError("key_cache holds no blocks (num_blocks 0): a page pool holds one or more")
+    attrs = dict(scale=scale, is_causal=is_causal, softcap=softcap, left_window_size=left_window_size,
+                 right_window_size=right_window_size, sinks=sinks)
+    key = _layout_key("paged", (Q, pool_k, pool_v), attrs, True)
+    step = _step_key(key, (Q.shape[0], num_blocks, pool_v.shape[0]), (block_table, seq_lens, cu_seqlens_q))
+    plan = _attention._step_plans.get(step) if step is not None else None
+    if plan is not None:  # a decode step's layers after the first: checked and derived by the first
+        return _run_step(plan, Q, pool_k, pool_v)
     table = as_array(block_table, "block_table")
     if not is_integer_dtype(table.dtype):
         raise TypeError(f"block_table must be an integer array, got dtype {table.dtype}")
@@ -291,15 +324,12 @@ def paged_attention(Q: ArrayLike, key_cache, value_cache, block_table: ArrayLike
         i, p = (int(x) for x in bad[0])
         raise ValueError(f"block_table[{i}, {p}] = {int(table[i, p])} is outside the pool's blocks "
                          f"[0, {num_blocks})")
-    attrs = dict(scale=scale, is_causal=is_causal, softcap=softcap, left_window_size=left_window_size,
-                 right_window_size=right_window_size, sinks=sinks)
     k_all, v_all = _pool_view(pool_k), _pool_view(pool_v)  # (num_blocks, Hkv, block_size, D): no copy
-    key = _layout_key("paged", (Q, pool_k, pool_v), attrs, True)
     # One call of the sequences' shapes (keys of page 0 stand in): every argument checked before any work.
     first = _checked(key, lambda: _attention.prepare(_rows(Q, 0, 0), k_all[:1, :, :0], v_all[:1, :, :0],
                                                      nonpad_kv_seqlen=np.zeros(1, np.int64), **attrs))
     return _run(_packed_call(first, _rows(Q, 0, Q.shape[0]), k_all, v_all, cu_q, np.zeros(n, np.int64), lengths,
-                             left_window_size, right_window_size, pages=table), key)
+                             left_window_size, right_window_size, pages=table), key, step)
 
 
 def _pages(x, name):

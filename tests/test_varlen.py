@@ -170,7 +170,8 @@ def test_an_item_of_every_kv_head_gives_the_same_bits(fmt, rng, monkeypatch):
             monkeypatch.setattr(_attention, "_heads_per_item", forced(on))
             for threads in (1, 2, 3):
                 monkeypatch.setattr(thread_count, "_threads", threads)
-                _attention._layouts.clear()  # (a kept layout would keep its items' heads)
+                _attention._layouts.clear()  # (a kept layout or plan would keep its items' heads)
+                _attention._step_plans.clear()
                 results.append(fn())
         for other in results[1:]:
             np.testing.assert_array_equal(other, results[0])
@@ -236,12 +237,42 @@ def test_a_serving_loop_keeps_its_layout(rng, monkeypatch):
     for call, y in zip(calls, kept):
         _attention._layouts.clear()
         _attention._checks.clear()
+        _attention._step_plans.clear()
         np.testing.assert_array_equal(y, call())
     q, k, v, cu_q, cu_k = _pack(rng, [1, 2], [100_000, 10], 8, 2)
     numkv.varlen_attention(q, k, v, cu_q, cu_k)
     gone = weakref.ref(k)
     del k, v
     assert gone() is None
+
+
+def test_a_decode_step_s_layers_share_its_plan(rng, monkeypatch):
+    """The layers of a decode step call with the same sequences (the same
+    ``cu_seqlens``, block table and lengths) and other values: the first
+    derives the plan, the others take it (``_attention._step_plans``);
+    another block table is another plan.  Each Y has the bits of a call
+    that kept nothing."""
+    from numkv import _attention
+
+    runs = []
+    real = _attention.run
+    monkeypatch.setattr(_attention, "run", lambda *args, **kwargs: runs.append(1) or real(*args, **kwargs))
+    calls = []
+    for step in range(3):
+        for layer in range(3):
+            q, k, v, cu_q, cu_k = _pack(rng, [1, 1, 1], [5 + step, 0, 17 + step], 8, 2)
+            pool_k, pool_v, table = _paginate(np.random.default_rng(step if layer < 2 else 99), k, v, cu_k, 4)
+            calls.append(lambda q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k:
+                         numkv.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True))
+            calls.append(lambda q=q, pk=pool_k, pv=pool_v, table=table, lens=np.diff(cu_k), cu_q=cu_q:
+                         numkv.paged_attention(q, pk, pv, table, lens, cu_q, is_causal=True))
+    kept = [call() for call in calls]
+    assert len(calls) - len(runs) == 3 * (2 + 1)  # a step: varlen's layers 2 and 3, paged's layer 2
+    for call, y in zip(calls, kept):
+        _attention._layouts.clear()
+        _attention._checks.clear()
+        _attention._step_plans.clear()
+        assert same_bits(y, call())
 
 
 def test_a_kept_layout_serves_only_its_strides(rng):
@@ -257,6 +288,7 @@ def test_a_kept_layout_serves_only_its_strides(rng):
         y = call()
         _attention._layouts.clear()
         _attention._checks.clear()
+        _attention._step_plans.clear()
         return y, call()
 
     q, k, v, cu_q, cu_k = _pack(rng, [1, 1], [3, 4], 4, 2)

@@ -2,9 +2,8 @@
 a cache's views (``numkv.attention`` on ``buffer[:, :, :n]`` with
 ``nonpad_kv_seqlen``, as numkv's caches and transformers' ``KVCache``
 make them) against an earlier revision of numkv, interleaved in one
-process: decode loops of 3 steps (a key more a sequence each step; over
-views, 4 layers a step and a key more each step, up to the 4,096 keys of
-the buffers), float32 Hq16/Hkv4/D64, causal.
+process: decode loops of 4 layers a step, a key more a sequence each step
+(no length repeats), float32 Hq16/Hkv4/D64, causal.
 
     python tools/ab_packed.py REV [THREADS]
     python tools/ab_packed.py 9e9f546 2
@@ -22,26 +21,32 @@ import numpy as np
 
 from ab_decode import ROOT, load_base
 
-ROUNDS, CALLS, STEPS = 7, 150, 3
-LAYERS = 4  # a cache's views: the calls of a decode step (its layers)
+ROUNDS, CALLS = 7, 150
+LAYERS = 4  # the calls of a decode step (its layers)
+STEPS = (ROUNDS * CALLS + 16) // LAYERS + 1  # steps enough that no length repeats
 HQ, HKV, D = 16, 4, 64
 
 
 def decode_steps(rng, lens_k, page=None):
-    """``STEPS`` calls' arguments, a key more a sequence each: ``(q, k,
-    cu_q, cu_k)``, or with ``page`` ``(q, pool, table, seq_lens, cu_q)``."""
-    n = len(lens_k)
+    """``STEPS`` decode steps' arguments, a key more a sequence each (the
+    arrays shared): ``(q, k, cu_q, cu_k)``, or with ``page`` ``(q, pool,
+    table, seq_lens, cu_q)``."""
+    n, lens_k = len(lens_k), np.array(lens_k)
+    q = rng.standard_normal((n, HQ, D), dtype=np.float32)
+    cu_q = np.arange(n + 1, dtype=np.int32)
+    last = lens_k + STEPS
+    if page is None:
+        k = rng.standard_normal((int(last.sum()), HKV, D), dtype=np.float32)
+    else:
+        pool = rng.standard_normal((int((-(-last // page)).sum()), page, HKV, D), dtype=np.float32)
     steps = []
     for step in range(STEPS):
-        lens = np.array(lens_k) + step
+        lens = lens_k + step
         cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        cu_q = np.arange(n + 1, dtype=np.int32)
-        q = rng.standard_normal((n, HQ, D), dtype=np.float32)
         if page is None:
-            steps.append((q, rng.standard_normal((cu_k[-1], HKV, D), dtype=np.float32), cu_q, cu_k))
+            steps.append((q, k[:cu_k[-1]], cu_q, cu_k))
             continue
         pages = -(-lens // page)
-        pool = rng.standard_normal((int(pages.sum()), page, HKV, D), dtype=np.float32)
         table = np.full((n, int(pages.max())), -1, np.int32)
         first = np.concatenate([[0], np.cumsum(pages)])
         for i in range(n):
@@ -67,16 +72,17 @@ def caller(module, steps, paged, fmt=None):
             return module.attention(q, k_buf[:, :, :n], v_buf[:, :, :n], nonpad_kv_seqlen=np.full(len(q), n),
                                     is_causal=True)
         return views
+    calls = iter(range(LAYERS * STEPS))  # LAYERS calls a decode step, then the next step
     if not paged:
         def varlen(i):
-            q, k, cu_q, cu_k = steps[i % STEPS]
+            q, k, cu_q, cu_k = steps[next(calls) // LAYERS]
             return module.varlen_attention(q, k, k, cu_q, cu_k, is_causal=True)
         return varlen
-    pools = [module.quantize(s[1], fmt) if fmt else s[1] for s in steps]
+    pool = module.quantize(steps[0][1], fmt) if fmt else steps[0][1]
 
     def paged_call(i):
-        q, _, table, seq_lens, cu_q = steps[i % STEPS]
-        return module.paged_attention(q, pools[i % STEPS], pools[i % STEPS], table, seq_lens, cu_q, is_causal=True)
+        q, _, table, seq_lens, cu_q = steps[next(calls) // LAYERS]
+        return module.paged_attention(q, pool, pool, table, seq_lens, cu_q, is_causal=True)
     return paged_call
 
 
@@ -98,11 +104,11 @@ def main():
     rng = np.random.default_rng(0)
     short, mid = [10] * 8, list(range(100, 601, 33))[:16]
     cases = {
-        "varlen, 8 decodes of 10 keys": (decode_steps(rng, short), False, None),
-        "paged (pages of 16), 8 of 10 keys": (decode_steps(rng, short, 16), True, None),
-        "varlen, 16 decodes of 100-595 keys": (decode_steps(rng, mid), False, None),
-        "paged q8_0 (pages of 16), 16 of 100-595": (decode_steps(rng, mid, 16), True, "q8_0"),
-        "varlen, 8 decodes of 264-2,056 keys": (decode_steps(rng, [264, 520, 776, 1032, 1288, 1416, 1032, 2056]),
+        "varlen, 8 decodes from 10 keys": (decode_steps(rng, short), False, None),
+        "paged (pages of 16), 8 from 10 keys": (decode_steps(rng, short, 16), True, None),
+        "varlen, 16 decodes from 100-595 keys": (decode_steps(rng, mid), False, None),
+        "paged q8_0 (pages of 16), 16 from 100-595": (decode_steps(rng, mid, 16), True, "q8_0"),
+        "varlen, 8 decodes from 264-2,056 keys": (decode_steps(rng, [264, 520, 776, 1032, 1288, 1416, 1032, 2056]),
                                                 False, None),
         "cache views, B1, from 16 keys": (cache_steps(rng, 1, 16), "views", None),
         "cache views, B1, from 512 keys": (cache_steps(rng, 1, 512), "views", None),
@@ -113,7 +119,7 @@ def main():
         callers[name] = [caller(m, steps, paged, fmt) for m in (numkv, base)]
         for m, f in zip((numkv, base), callers[name]):
             m.set_num_threads(threads)
-            for i in range(2 * STEPS):  # (compiles, keeps its layouts)
+            for i in range(2 * LAYERS):  # (compiles, keeps its layouts)
                 f(i)
         np.testing.assert_allclose(callers[name][0](0), callers[name][1](0), rtol=1e-6, atol=1e-6)
     times = {name: ([], []) for name in cases}
