@@ -571,7 +571,8 @@ def _layout(call, y4, b, sq, block_q, block_k, gemm_rows):
         inputs.append(flat)
         bases.append(base)
         code = codes[arr.dtype] if type(arr) is not QuantizedArray else _QUANT_FORMATS[arr.format].code
-        in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_gemm)
+        in_place = t != kernels.T_Q and kernels.read_in_place(size // 8, code, strides[3], strides[2], width, uses_gemm,
+                                                              values=t in (kernels.T_V, kernels.T_PAST_V))
         desc += (base, *strides, code, int(in_place))
         if t == kernels.T_Q:
             q_code = code

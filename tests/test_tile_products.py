@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numkv._kernels import cpu
-from numkv._kernels.gemm import _gemm_accumulate, _gemm_scores, _transpose
+from numkv._kernels.gemm import KT_PAD_BYTES, _gemm_accumulate, _gemm_scores, _transpose
 
 
 def _scores(q, kf, ko, kld, s, rows, n, d_k, kt, hi, nq, j0):
@@ -26,8 +26,8 @@ def _accumulate(p, vf, vo, vld, acc, rows, n, d_v, hi, nq, j0):
     _gemm_accumulate(p, vf, vo, vld, acc, rows, n, d_v, hi, nq, j0)
 
 
-def _transposed(src, at, ld, n, width, dst):
-    _transpose(src, at, ld, n, width, dst)
+def _transposed(src, at, ld, n, width, dst, ldt):
+    _transpose(src, at, ld, n, width, dst, ldt)
 
 
 BLOCKS = {"avx512": True, "avx2": False}
@@ -51,10 +51,17 @@ def compiled(name, avx512):
                 elif name == "accumulate":
                     dispatcher.compile((f, f, i, i, f, i, i, i, i[::1], i, i))
                 else:
-                    dispatcher.compile((f, i, i, i, i, f))
+                    dispatcher.compile((f, i, i, i, i, f, i))
         dispatcher.disable_compile()
         _compiled[key] = dispatcher
     return _compiled[key]
+
+
+def transposed_keys(n, d, dtype):
+    """The scratch ``_gemm_scores`` takes K transposed into, no larger than
+    it asks: ``d`` rows of ``n`` keys and a cache line (the bounds-checked
+    CI stage runs these tests)."""
+    return np.full(d * (n + KT_PAD_BYTES // np.dtype(dtype).itemsize), np.nan, dtype)
 
 
 def rows_view(flat, at, ld, n, width):
@@ -97,7 +104,7 @@ def test_the_products_equal_numpy(block, dtype, rows, n, d, gap, nq, causal):
     scale = np.abs(q.reshape(rows, d)) @ np.abs(keys).T  # the error bound's scale: sum of |products|
 
     s = np.full(rows * n, np.nan, dtype)
-    kt = np.full(n * d, np.nan, dtype)
+    kt = transposed_keys(n, d, dtype)
     compiled("scores", BLOCKS[block])(q, kf, at, ld, s, rows, n, d, kt, hi, nq, j0)
     s = s.reshape(rows, n)
     attended = np.arange(n)[None, :] < limits(hi, rows, nq, j0, n)[:, None]
@@ -123,7 +130,7 @@ def test_a_result_does_not_depend_on_its_block(block):
     q, kf, at, ld, hi = case(rng, np.float32, rows, n, d, 4, rows, 0, False)
     scores = compiled("scores", BLOCKS[block])
     whole = np.empty(rows * n, np.float32)
-    kt = np.empty(n * d, np.float32)
+    kt = transposed_keys(n, d, np.float32)
     scores(q, kf, at, ld, whole, rows, n, d, kt, hi, rows, 0)
     for r in (0, 6, 18):
         for j in (0, 17, 69):
@@ -134,10 +141,41 @@ def test_a_result_does_not_depend_on_its_block(block):
 
 @pytest.mark.parametrize("block", BLOCKS)
 @given(n=st.integers(1, 70), width=st.integers(1, 70), gap=st.integers(0, 20), at=st.integers(0, 5),
-       dtype=st.sampled_from([np.float32, np.float64]))
+       pad=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]))
 @settings(max_examples=60, deadline=None)
-def test_transpose(block, n, width, gap, at, dtype):
+def test_transpose(block, n, width, gap, at, pad, dtype):
+    """``width`` rows of ``n``, ``n + pad`` apart: the gaps left as they were."""
     src = np.arange(at + n * (width + gap), dtype=dtype)
-    dst = np.full(n * width, -1, dtype)
-    compiled("transpose", BLOCKS[block])(src, at, width + gap, n, width, dst)
-    assert np.array_equal(dst.reshape(width, n), rows_view(src, at, width + gap, n, width).T)
+    dst = np.full(width * (n + pad), -1, dtype)
+    compiled("transpose", BLOCKS[block])(src, at, width + gap, n, width, dst, n + pad)
+    rows = dst.reshape(width, n + pad)
+    assert np.array_equal(rows[:, :n], rows_view(src, at, width + gap, n, width).T)
+    assert np.all(rows[:, n:] == -1)
+
+
+def test_a_token_major_v_is_copied_into_the_products_tiles_with_the_same_bits():
+    """The matrix products read V's rows in place only where they lie one
+    after another (``loop_functions.read_in_place``); a token-major V's
+    (3-D inputs, packed sequences: rows ``Hkv * D`` apart) are copied into
+    the tile first, K's are read in place by the transposition, decode's
+    loops read both in place.  Y's bits are the head-major V's, a masked
+    key's non-finite V included (the tile then goes to the loops)."""
+    import numkv
+    from numkv._kernels.layout import F32
+    from numkv._kernels.loop_functions import read_in_place
+
+    assert read_in_place(0, F32, 1, 128, 128, gemm=True, values=True)
+    assert not read_in_place(0, F32, 1, 8 * 128, 128, gemm=True, values=True)
+    assert read_in_place(0, F32, 1, 8 * 128, 128, gemm=True)
+    assert read_in_place(0, F32, 1, 8 * 128, 128, gemm=False, values=True)
+
+    rng = np.random.default_rng(11)
+    hq, hkv, s, d = 8, 2, 70, 24  # 4 query heads a kv head: 16 or more rows a tile take the products
+    q, k, v = (rng.standard_normal((2, h, s, d)).astype(np.float32) for h in (hq, hkv, hkv))
+    v[1, 0, 50] = np.inf  # past the causal edge of queries < 50
+    token_major = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(2, s, -1) for x in (q, k, v)]
+    for causal in (False, True):
+        want = numkv.attention(q, k, v, is_causal=causal)
+        got = numkv.attention(*token_major, q_num_heads=hq, kv_num_heads=hkv, is_causal=causal)
+        np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3).reshape(2, s, -1))
+    assert not np.isfinite(want[1, :2, 50:]).any() and np.isfinite(want[1, :2, :50]).all()

@@ -9,7 +9,7 @@ of each row times those vectors of the right operand
 (``_block_product``).  The left operand's rows are read where they lie (a
 broadcast needs no packing); the right one's rows are vectors: V's rows as
 they lie in the cache, and K's tile transposed once (``_transpose``), ``d
-x n``.
+x n`` (its rows a cache line longer than ``n``: ``KT_PAD_BYTES``).
 BLAS packs both operands on every call; on a prefill's tile products
 (then 512 rows x 256 keys x 128) that packing was 7.5% of a causal
 prefill's time, and OpenBLAS' sgemm, packing included, took 335-345 us a
@@ -37,6 +37,13 @@ from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max
 # (``NUMBA_CPU_NAME=haswell``), 6 x 16 (313 / 316 us; 5 x 16 327 / 331, 4 x
 # 16 335 / 336, 8 x 8 413 / 417, 3 x 32 spills: 656 / 669).
 BLOCK_ROWS = 6
+
+# K^T's rows lie ``n`` elements and a cache line apart (``_gemm_scores``):
+# ``n`` apart, 512 float32 keys put them 2 KiB apart, so a block's vectors,
+# one from each row, fell in 2 of the 64 sets of a 32 KiB L1 and evicted
+# each other: 256 rows x 512 keys x 128 took 730 us a product on one core
+# of the 2-vCPU Zen 3 with rows 512 apart, 588 with 528.
+KT_PAD_BYTES = 64
 
 
 def _block_vectors():
@@ -177,8 +184,8 @@ _block_add = _block_product(add=True)
 
 
 @intrinsic
-def _transpose_blocks(typingctx, src, at, ld, n, width, dst):
-    """``dst[d * n + j] = src[at + j * ld + d]`` for ``j < n - n % L``, ``d <
+def _transpose_blocks(typingctx, src, at, ld, n, width, dst, ldt):
+    """``dst[d * ldt + j] = src[at + j * ld + d]`` for ``j < n - n % L``, ``d <
     width - width % L`` (``L`` lanes of a vector: 16 float32): blocks of ``L``
     rows loaded as vectors, transposed in registers by ``log2(L)`` rounds of
     two-vector shuffles (each round swaps one bit of the row index with
@@ -193,7 +200,7 @@ def _transpose_blocks(typingctx, src, at, ld, n, width, dst):
         lanes = _block_vectors()[0] // _BYTES[str(real)]
         i64, i32, vec = ir.IntType(64), ir.IntType(32), ir.VectorType(real, lanes)
         src_, dst_ = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 5))
-        at, ld, n, width = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 3, 4))
+        at, ld, n, width, ldt = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 3, 4, 6))
         whole = ir.Constant(i64, -lanes)
         n_whole, width_whole = builder.and_(n, whole), builder.and_(width, whole)
 
@@ -215,7 +222,7 @@ def _transpose_blocks(typingctx, src, at, ld, n, width, dst):
                             rows[i | h] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, lanes), high))
                     h //= 2
                 for r in range(lanes):
-                    out = builder.add(builder.mul(builder.add(d, ir.Constant(i64, r)), n), j)
+                    out = builder.add(builder.mul(builder.add(d, ir.Constant(i64, r)), ldt), j)
                     builder.store(rows[r], builder.bitcast(builder.gep(dst_, [out]), vec.as_pointer()),
                                   align=_BYTES[str(real)])
                 return []
@@ -226,18 +233,18 @@ def _transpose_blocks(typingctx, src, at, ld, n, width, dst):
         _emit_loop(builder, ir.Constant(i64, 0), n_whole, lanes, [], block)
         return context.get_constant(types.int64, lanes)
 
-    return types.int64(src, at, ld, n, width, dst), codegen
+    return types.int64(src, at, ld, n, width, dst, ldt), codegen
 
 
 @jit(inline=True)
-def _transpose(src, at, ld, n, width, dst):
-    """``dst[d * n + j] = src[at + j * ld + d]``: ``n`` rows of ``width``
-    into ``width`` rows of ``n``."""
-    lanes = _transpose_blocks(src, at, ld, n, width, dst)
+def _transpose(src, at, ld, n, width, dst, ldt):
+    """``dst[d * ldt + j] = src[at + j * ld + d]``: ``n`` rows of ``width``
+    into ``width`` rows of ``n``, ``ldt >= n`` apart."""
+    lanes = _transpose_blocks(src, at, ld, n, width, dst, ldt)
     n_whole, width_whole = n - n % lanes, width - width % lanes
     for d in range(width):  # what the blocks left: the last rows, the last columns
         for j in range(n_whole if d < width_whole else 0, n):
-            dst[d * n + j] = src[at + j * ld + d]
+            dst[d * ldt + j] = src[at + j * ld + d]
 
 
 @jit(inline=True)
@@ -254,15 +261,17 @@ def _last_key(hi, i, rows, nq):
 def _gemm_scores(q, kf, ko, kld, s, rows, n, d_k, kt, hi, nq, j0):
     """``s = q K^T`` (``rows`` rows of ``n`` in ``s``, of ``d_k`` in ``q``),
     K the ``n`` rows of ``kf`` from ``ko``, ``kld`` apart, keys ``j0 ..``;
-    ``kt`` (at least ``d_k * n``) takes K transposed.  A block of keys past
-    every one its rows attend (``hi``, ``_last_key``: the causal triangle)
-    is left as it was: the softmax masks those scores."""
-    _transpose(kf, ko, kld, n, d_k, kt)
+    ``kt`` (at least ``d_k * n`` elements and ``d_k`` cache lines) takes K
+    transposed, its rows ``n`` elements and a cache line apart.  A block of
+    keys past every one its rows attend (``hi``, ``_last_key``: the causal
+    triangle) is left as it was: the softmax masks those scores."""
+    ldt = n + KT_PAD_BYTES // kt.itemsize
+    _transpose(kf, ko, kld, n, d_k, kt, ldt)
     columns = _block_columns(kt)
     for j in range(0, n, columns):
         for i in range(0, rows, BLOCK_ROWS):
             if j0 + j <= _last_key(hi, i, rows, nq):
-                _block_set(s, i * n + j, n, q, i * d_k, d_k, kt, j, n, d_k, _min(BLOCK_ROWS, rows - i),
+                _block_set(s, i * n + j, n, q, i * d_k, d_k, kt, j, ldt, d_k, _min(BLOCK_ROWS, rows - i),
                            _min(columns, n - j))
 
 

@@ -45,7 +45,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "3ef17148cee9914f88deae39b391b5d1e831bbd76dfe31218826987ede5ab214"
+HELPERS_SHA256 = "3663dec12ace709ffb233160ceb5d0e1232665f7e5bc94cc677e0bbb72c48dd1"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
@@ -105,13 +105,20 @@ def addresses(acc, read, widened, gemm, heads=False):
     return table
 
 
-def read_in_place(acc, code, stride, row_stride, width, gemm):
+def read_in_place(acc, code, stride, row_stride, width, gemm, values=False):
     """Whether the kernel reads a K or V tensor's rows where they lie
     (``widen._kv_tile``) -- unit-stride rows of the accumulation dtype that
     do not overlap, or of an ``IN_PLACE`` format in decode's loops (float32
-    accumulators, no matrix products) -- rather than widen them into tiles."""
+    accumulators, no matrix products) -- rather than widen them into tiles.
+    The matrix products read V (``values``) in place only where its rows lie
+    one after another: a token-major V's, ``Hkv * D`` apart, are copied into
+    the tile first (the product's column vectors, one from each row, 4 KiB
+    apart fell in one L1 set: a full prefill of 1,024 queries, Hq32/Hkv8/D128,
+    one thread of the 2-vCPU Zen 3, took 1.17x a head-major V's time)."""
     acc_code = F64 if acc else F32
-    return stride == 1 and (row_stride >= width if code == acc_code else acc == 0 and not gemm and code in IN_PLACE)
+    if code == acc_code:
+        return stride == 1 and (row_stride == width if gemm and values else row_stride >= width)
+    return stride == 1 and acc == 0 and not gemm and code in IN_PLACE
 
 
 def _compile(acc, code, field):
