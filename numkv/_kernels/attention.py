@@ -138,7 +138,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "92596d927b1443aaff88e78cce625b4f930090296dd69358a700bf42963f2d89"
+HELPERS_SHA256 = "d001bc40439eb7b86c6876b0fd935362ba3bf809701d1f3e80758b06e6b4f923"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -41,8 +41,9 @@ BLOCK_ROWS = 6
 # K^T's rows lie ``n`` elements and a cache line apart (``_gemm_scores``):
 # ``n`` apart, 512 float32 keys put them 2 KiB apart, so a block's vectors,
 # one from each row, fell in 2 of the 64 sets of a 32 KiB L1 and evicted
-# each other: 256 rows x 512 keys x 128 took 730 us a product on one core
-# of the 2-vCPU Zen 3 with rows 512 apart, 588 with 528.
+# each other: 256 rows x 512 keys x 128 ran at 46-58 GFLOP/s on one core of
+# the 2-vCPU Zen 3 with rows 512 apart, 57-61 with 528
+# (``tools/tile_products.py``; performance.md, "session 26").
 KT_PAD_BYTES = 64
 
 

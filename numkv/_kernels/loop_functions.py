@@ -45,7 +45,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "3663dec12ace709ffb233160ceb5d0e1232665f7e5bc94cc677e0bbb72c48dd1"
+HELPERS_SHA256 = "5d30a2280e83607681e8ca873e83b00576d615bc20230443bb7882fd32a2035e"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
