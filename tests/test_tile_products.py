@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numkv._kernels import cpu
-from numkv._kernels.gemm import KT_PAD_BYTES, _gemm_accumulate, _gemm_scores, _transpose
+from numkv._kernels.gemm import CACHE_LINE, _gemm_accumulate, _gemm_scores, _kt_stride, _transpose
 
 
 def _scores(q, kf, ko, kld, s, rows, n, d_k, kt, hi, nq, j0):
@@ -57,11 +57,16 @@ def compiled(name, avx512):
     return _compiled[key]
 
 
+GUARD = -7.0  # what lies past the scratch: the products' vector stores are not bounds-checked
+
+
 def transposed_keys(n, d, dtype):
     """The scratch ``_gemm_scores`` takes K transposed into, no larger than
-    it asks: ``d`` rows of ``n`` keys and a cache line (the bounds-checked
-    CI stage runs these tests)."""
-    return np.full(d * (n + KT_PAD_BYTES // np.dtype(dtype).itemsize), np.nan, dtype)
+    it asks, and what lies past its end (``GUARD``: 64 elements)."""
+    size = d * (n + 2 * CACHE_LINE // np.dtype(dtype).itemsize)
+    whole = np.full(size + 64, GUARD, dtype)
+    whole[:size] = np.nan
+    return whole[:size], whole[size:]
 
 
 def rows_view(flat, at, ld, n, width):
@@ -92,7 +97,7 @@ def limits(hi, rows, nq, j0, n):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rows, n, d, gap, nq", [(512, 256, 128, 0, 128), (7, 5, 3, 2, 7), (13, 67, 65, 9, 13),
                                                  (24, 64, 64, 0, 6), (1, 1, 1, 0, 1), (40, 130, 17, 1, 10),
-                                                 (9, 45, 40, 3, 9)])
+                                                 (9, 45, 40, 3, 9), (12, 512, 32, 0, 12), (12, 496, 16, 0, 12)])
 @pytest.mark.parametrize("causal", [False, True], ids=["whole", "causal"])
 def test_the_products_equal_numpy(block, dtype, rows, n, d, gap, nq, causal):
     rng = np.random.default_rng(rows * n + d)
@@ -104,8 +109,9 @@ def test_the_products_equal_numpy(block, dtype, rows, n, d, gap, nq, causal):
     scale = np.abs(q.reshape(rows, d)) @ np.abs(keys).T  # the error bound's scale: sum of |products|
 
     s = np.full(rows * n, np.nan, dtype)
-    kt = transposed_keys(n, d, dtype)
+    kt, past = transposed_keys(n, d, dtype)
     compiled("scores", BLOCKS[block])(q, kf, at, ld, s, rows, n, d, kt, hi, nq, j0)
+    assert np.all(past == GUARD)
     s = s.reshape(rows, n)
     attended = np.arange(n)[None, :] < limits(hi, rows, nq, j0, n)[:, None]
     assert np.all(np.abs(s - want)[attended] <= tol * scale[attended])
@@ -130,7 +136,7 @@ def test_a_result_does_not_depend_on_its_block(block):
     q, kf, at, ld, hi = case(rng, np.float32, rows, n, d, 4, rows, 0, False)
     scores = compiled("scores", BLOCKS[block])
     whole = np.empty(rows * n, np.float32)
-    kt = transposed_keys(n, d, np.float32)
+    kt, _ = transposed_keys(n, d, np.float32)
     scores(q, kf, at, ld, whole, rows, n, d, kt, hi, rows, 0)
     for r in (0, 6, 18):
         for j in (0, 17, 69):
@@ -151,6 +157,18 @@ def test_transpose(block, n, width, gap, at, pad, dtype):
     rows = dst.reshape(width, n + pad)
     assert np.array_equal(rows[:, :n], rows_view(src, at, width + gap, n, width).T)
     assert np.all(rows[:, n:] == -1)
+
+
+def test_k_transposed_rows_lie_an_odd_number_of_cache_lines_apart():
+    """Rows a power of two of bytes apart put a block's vectors in few of
+    the L1's sets (512 float32 keys: 2 KiB); an odd number of lines apart
+    they fall in every set in turn.  The stride holds a row, and at most two
+    lines more (the scratch the kernel allocates)."""
+    for itemsize in (4, 8):
+        line = CACHE_LINE // itemsize
+        for n in range(1, 1100):
+            ldt = _kt_stride(n, itemsize)
+            assert n <= ldt < n + 2 * line and ldt % line == 0 and ldt // line % 2 == 1, (itemsize, n, ldt)
 
 
 def test_a_token_major_v_is_copied_into_the_products_tiles_with_the_same_bits():

@@ -7,7 +7,7 @@ process, for head-major and token-major layouts.
 REV's ``numkv`` is loaded beside this one as ``numkv_base``
 (``ab_decode.load_base``); calls alternate, 11 rounds, medians compared.
 Cases (float32, Hq32/Hkv8/D128 unless named): ``full`` (1,024 queries over
-1,024 keys), ``causal-512``, ``causal-2048``, ``full-d64`` (Hq16/Hkv4/D64),
+1,024 keys), ``full-496``, ``causal-512``, ``causal-2048``, ``full-d64`` (Hq16/Hkv4/D64),
 ``full-3d`` (``full`` as 3-D ``(B, S, H * D)`` inputs: token-major rows),
 ``varlen`` (4 causal prompts of 256-1,024 tokens packed, ``(T, H, D)``).
 """
@@ -22,6 +22,7 @@ from ab_decode import ROOT, load_base
 
 CASES = {  # name: (Hq, Hkv, D, S, causal, layout)
     "full": (32, 8, 128, 1024, False, "bhsd"),
+    "full-496": (32, 8, 128, 496, False, "bhsd"),  # one tile of 496 keys: 1,984 bytes a K^T row
     "causal-512": (32, 8, 128, 512, True, "bhsd"),
     "causal-2048": (32, 8, 128, 2048, True, "bhsd"),
     "full-d64": (16, 4, 64, 1024, False, "bhsd"),

@@ -7,7 +7,7 @@ with V's rows ``vld`` apart.  256 rows x 512 keys x 128, float32.
 
 Rows a power of two of bytes apart put a block's column vectors, one from
 each row, in few of the L1's sets (2 KiB: 2 of 64 sets; 4 KiB: one): the
-reason ``gemm.KT_PAD_BYTES`` pads K^T's rows and the products copy a
+reason K^T's rows lie an odd number of lines apart (``gemm._kt_stride``) and the products copy a
 token-major V into the tile (``loop_functions.read_in_place``).
 """
 

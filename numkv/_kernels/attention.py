@@ -115,7 +115,7 @@ from numba.extending import overload
 
 from .._config import jit
 from .._runtime.protocol import pool_enter, pool_exit
-from .gemm import KT_PAD_BYTES
+from .gemm import CACHE_LINE
 from .layout import (BASE, BLOCK_K, BLOCK_Q, CAUSAL, CHUNK, DTYPE, F32, F64, FINISH, FIRST_KEY, FIRST_QUERY, GEMM_ROWS,
                      GEMM_SCORES, GEMM_SOFTMAX, GEMM_VALUES, HAS_MASK, HEAD_SIZE, HEADS_PER_ITEM, HEADS_SCORES,
                      HEADS_VALUES, KV_HEADS, LEFT, N_CHUNKS, N_UNITS, PAGES, PAGES_PER_ROW, PAGE_SIZE, PAST, QUERIES,
@@ -138,7 +138,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "d001bc40439eb7b86c6876b0fd935362ba3bf809701d1f3e80758b06e6b4f923"
+HELPERS_SHA256 = "063cf773ac74870ca746f04a4e520ac2a5bb36bd27da80bf71f0c6f22dd04e29"
 
 
 # -- work items --------------------------------------------------------------------------
@@ -187,8 +187,8 @@ def attention_items(first, stop, q, kp, kn, vp, vn, mask, y, ints, desc, floats,
     # K and V tiles: raw bytes as the loops read them, and their float views.
     kbuf, vbuf = np.empty(bk * d_k * y.itemsize, np.uint8), np.empty(bk * d_v * y.itemsize, np.uint8)
     ktile, vtile = _view(kbuf, y), _view(vbuf, y)
-    # K transposed, for the tile products: rows a cache line longer than a tile (``gemm.KT_PAD_BYTES``)
-    kt = np.empty((bk + KT_PAD_BYTES) * d_k if group * bq >= ints[GEMM_ROWS] else 0, dt)
+    # K transposed, for the tile products: rows up to two cache lines longer than a tile (``gemm._kt_stride``)
+    kt = np.empty((bk + 2 * CACHE_LINE // y.itemsize) * d_k if group * bq >= ints[GEMM_ROWS] else 0, dt)
     lo, hi = np.empty(bq, np.int64), np.empty(bq, np.int64)
     m, l, alpha = np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt)
     # (a 2-D np.empty would compile a function of its own: 0.05 s)

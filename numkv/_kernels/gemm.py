@@ -9,7 +9,7 @@ of each row times those vectors of the right operand
 (``_block_product``).  The left operand's rows are read where they lie (a
 broadcast needs no packing); the right one's rows are vectors: V's rows as
 they lie in the cache, and K's tile transposed once (``_transpose``), ``d
-x n`` (its rows a cache line longer than ``n``: ``KT_PAD_BYTES``).
+x n`` (its rows an odd number of cache lines apart: ``_kt_stride``).
 BLAS packs both operands on every call; on a prefill's tile products
 (then 512 rows x 256 keys x 128) that packing was 7.5% of a causal
 prefill's time, and OpenBLAS' sgemm, packing included, took 335-345 us a
@@ -38,13 +38,14 @@ from .simd import _BYTES, _broadcast, _emit_loop, _fmuladd, _masked_memory, _max
 # 16 335 / 336, 8 x 8 413 / 417, 3 x 32 spills: 656 / 669).
 BLOCK_ROWS = 6
 
-# K^T's rows lie ``n`` elements and a cache line apart (``_gemm_scores``):
-# ``n`` apart, 512 float32 keys put them 2 KiB apart, so a block's vectors,
-# one from each row, fell in 2 of the 64 sets of a 32 KiB L1 and evicted
-# each other: 256 rows x 512 keys x 128 ran at 46-58 GFLOP/s on one core of
-# the 2-vCPU Zen 3 with rows 512 apart, 57-61 with 528
-# (``tools/tile_products.py``; performance.md, "session 26").
-KT_PAD_BYTES = 64
+# K^T's rows lie an odd number of cache lines apart (``_kt_stride``), so
+# the vectors a block reads, one from each row, fall in every set of the L1
+# in turn: ``n`` apart, 512 float32 keys put them 2 KiB apart, in 2 of the
+# 64 sets of a 32 KiB L1, and they evicted each other (256 rows x 512 keys x
+# 128 ran at 46-58 GFLOP/s on one core of the 2-vCPU Zen 3 with rows 512
+# apart, 57-61 with 528: ``tools/tile_products.py``; performance.md,
+# "session 26").  A row is then at most two lines longer than ``n``.
+CACHE_LINE = 64
 
 
 def _block_vectors():
@@ -259,14 +260,22 @@ def _last_key(hi, i, rows, nq):
 
 
 @jit(inline=True)
+def _kt_stride(n, itemsize):
+    """Elements from one row of K^T to the next: ``n`` rounded up to whole
+    cache lines, and to an odd number of them (``CACHE_LINE``)."""
+    lines = (n * itemsize + CACHE_LINE - 1) // CACHE_LINE
+    return (lines | 1) * (CACHE_LINE // itemsize)
+
+
+@jit(inline=True)
 def _gemm_scores(q, kf, ko, kld, s, rows, n, d_k, kt, hi, nq, j0):
     """``s = q K^T`` (``rows`` rows of ``n`` in ``s``, of ``d_k`` in ``q``),
     K the ``n`` rows of ``kf`` from ``ko``, ``kld`` apart, keys ``j0 ..``;
-    ``kt`` (at least ``d_k * n`` elements and ``d_k`` cache lines) takes K
-    transposed, its rows ``n`` elements and a cache line apart.  A block of
-    keys past every one its rows attend (``hi``, ``_last_key``: the causal
-    triangle) is left as it was: the softmax masks those scores."""
-    ldt = n + KT_PAD_BYTES // kt.itemsize
+    ``kt`` (at least ``d_k * (n + 2 * CACHE_LINE // kt.itemsize)``
+    elements) takes K transposed, its rows ``_kt_stride`` apart.  A block of keys past
+    every one its rows attend (``hi``, ``_last_key``: the causal triangle)
+    is left as it was: the softmax masks those scores."""
+    ldt = _kt_stride(n, kt.itemsize)
     _transpose(kf, ko, kld, n, d_k, kt, ldt)
     columns = _block_columns(kt)
     for j in range(0, n, columns):
