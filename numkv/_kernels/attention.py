@@ -138,7 +138,7 @@ from .loop_functions import loop_table, read_in_place  # noqa: F401
 # sha256 of the sources of the modules this one compiles into its kernels
 # (every ``numkv`` module it imports, and theirs): see the module docstring;
 # ``tests/test_kernel_layout.py`` prints the value to set.
-HELPERS_SHA256 = "063cf773ac74870ca746f04a4e520ac2a5bb36bd27da80bf71f0c6f22dd04e29"
+HELPERS_SHA256 = "dda94cb59aa5d1a6b0f0c8037c0351155185e17d8ddd1307b275e97214033c99"
 
 
 # -- work items --------------------------------------------------------------------------

@@ -8,8 +8,10 @@ registers while the inner dimension runs, each step one broadcast element
 of each row times those vectors of the right operand
 (``_block_product``).  The left operand's rows are read where they lie (a
 broadcast needs no packing); the right one's rows are vectors: V's rows as
-they lie in the cache, and K's tile transposed once (``_transpose``), ``d
-x n`` (its rows an odd number of cache lines apart: ``_kt_stride``).
+they lie in the cache (or in its tile, where they lie further apart than
+their width: ``loop_functions.read_in_place``), and K's tile transposed
+once (``_transpose``), ``d x n`` (its rows an odd number of cache lines
+apart: ``_kt_stride``).
 BLAS packs both operands on every call; on a prefill's tile products
 (then 512 rows x 256 keys x 128) that packing was 7.5% of a causal
 prefill's time, and OpenBLAS' sgemm, packing included, took 335-345 us a

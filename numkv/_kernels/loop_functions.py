@@ -45,7 +45,7 @@ from .widen import (IN_PLACE, _prefetch_rows, _rows_bfloat16, _rows_e4m3fn, _row
 # notices edits to a kernel's own file only, and
 # ``tests/test_kernel_layout.py`` fails, printing the new value, until this
 # is updated after a helper changes (updating it makes numba recompile).
-HELPERS_SHA256 = "9ccea6a2308093b7f57ca2c527e2e790a6ce5579af7f2eb460386ec977e9b131"
+HELPERS_SHA256 = "ef068cc9bb86956dd629964cf9efe539f935526140e11d68f9d83d204e5895cb"
 
 # ``TABLES[acc][code, field]`` (``layout.LOOP_FIELDS``): the kernel's
 # ``loops`` for float32 (``acc`` 0) and float64 (1) accumulators.
